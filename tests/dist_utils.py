@@ -1,0 +1,137 @@
+"""Run a function on N gloo ranks in fresh processes; collect results; never hang."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank: int, world_size: int, port: int, results, args, env) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        **env,
+    )
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        payload = fn(rank, world_size, *args)
+    except BaseException:  # report everything, including assertion errors and KeyboardInterrupt
+        status, payload = "error", traceback.format_exc()
+    if status == "ok":
+        # tensors travel as bytes: torch's shared-memory handles die with this process
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        payload = buffer.getvalue()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()
+    # Skip interpreter teardown: the result is delivered, and process-group / compile-worker
+    # destructors at exit are not what the tests are about.
+    os._exit(0)
+
+
+def _load(payload: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on each rank; returns the results ordered by rank.
+
+    Raises with the failing rank's traceback if any rank fails, and kills every rank if they do
+    not all finish within ``timeout`` seconds (a hang is a test failure, never a stuck suite).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args, env or {}))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(outputs) - set(errors))} did not "
+                    f"finish within {timeout:.0f}s (errors so far: {errors})"
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs and i not in errors]
+                if dead:
+                    # a rank died without reporting (segfault, abort): give the others a moment
+                    # to report their own error, then fail
+                    time.sleep(2.0)
+                    while not results.empty():
+                        rank, status, payload = results.get()
+                        if status == "ok":
+                            outputs[rank] = _load(payload)
+                        else:
+                            errors[rank] = payload
+                    raise RuntimeError(
+                        f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}; "
+                        f"errors: {errors}"
+                    ) from None
+                continue
+            if status == "ok":
+                outputs[rank] = _load(payload)
+            else:
+                errors[rank] = payload
+                # one failure usually leaves the others blocked in a collective: stop waiting
+                # for them after a grace period so the first error is reported quickly
+                deadline = min(deadline, time.monotonic() + 20.0)
+        if errors:
+            first = min(errors)
+            raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
+        return [outputs[r] for r in range(world_size)]
+    except TimeoutError:
+        if errors:
+            first = min(errors)
+            raise RuntimeError(f"rank {first} failed:\n{errors[first]}") from None
+        raise
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+
+
+__all__ = ["free_port", "run_ranks"]

@@ -1,0 +1,25 @@
+"""The only place ``node.meta`` keys of this package are defined (all namespaced ``zero3_*``)."""
+
+from __future__ import annotations
+
+# Role of a node created by the passes; one of the ROLE_* values below.
+ROLE = "zero3_role"
+# Index of the bucket (per graph and per kind of collective) the node belongs to.
+BUCKET = "zero3_bucket"
+# Names of the parameters a collective node carries (tuple of str).
+PARAMS = "zero3_params"
+# Set on joint-graph nodes computed from gathered parameters alone (recomputed in backward).
+PARAM_DERIVED = "zero3_param_derived"
+
+ROLE_GATHER_COPY_IN = "gather_copy_in"
+ROLE_ALL_GATHER = "all_gather"
+ROLE_GATHER_WAIT = "gather_wait"
+ROLE_GATHER_COPY_OUT = "gather_copy_out"
+ROLE_REDUCE_COPY_IN = "reduce_copy_in"
+ROLE_REDUCE_SCATTER = "reduce_scatter"
+ROLE_REDUCE_WAIT = "reduce_wait"
+ROLE_REDUCE_COPY_OUT = "reduce_copy_out"
+
+GATHER_ISSUE_ROLES = (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER)
+REDUCE_ISSUE_ROLES = (ROLE_REDUCE_COPY_IN, ROLE_REDUCE_SCATTER)
+REDUCE_FINISH_ROLES = (ROLE_REDUCE_WAIT, ROLE_REDUCE_COPY_OUT)

@@ -1,0 +1,90 @@
+"""Backend options: ``torch.compile(model, backend="zero3", options={...})``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+_CODEGENS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a user can tune. Defaults are what we measured to be best on CPU and GPU.
+
+    codegen: "inductor" (default) or "eager" (run the scheduled FX graphs as they are:
+        exact numerics, fast compiles, for debugging).
+    bucket_mb: size cap of one all-gather / reduce-scatter bucket, in MiB of the
+        communicated dtype. Parameters of one block are bucketed together up to this cap.
+    prefetch_depth: how many all-gathers may be issued ahead of the one being waited on
+        (0: gather right before use, no overlap).
+    max_inflight_bytes: optional cap on the bytes of gathers issued but not yet used; the
+        first gather ahead is always allowed.
+    reduce_scatter_depth: how many reduce-scatters may be in flight before the oldest is
+        waited on (each one keeps its full-size gradient bucket alive).
+    reshard_after_forward: False keeps the parameters gathered in forward alive for backward
+        (ZeRO-2-like: more memory, one all-gather less per step).
+    sync_timeout_s: how long a rank waits for the others' collective fingerprint when it
+        compiles a graph, before raising an error instead of hanging.
+    verify: check the scheduled graphs' invariants after every pass.
+    dump_dir: write every graph before and after every pass, and the reports, here.
+    """
+
+    codegen: str = "inductor"
+    bucket_mb: float = 25.0
+    prefetch_depth: int = 1
+    max_inflight_bytes: int | None = None
+    reduce_scatter_depth: int = 1
+    reshard_after_forward: bool = True
+    sync_timeout_s: float = 600.0
+    verify: bool = True
+    dump_dir: str | None = None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 1024 * 1024)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | Options | None) -> Options:
+        if options is None:
+            return cls()
+        if isinstance(options, Options):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(
+                f"zero3: options must be a dict or zero3_compile.Options, got {type(options).__name__}"
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"zero3: unknown option(s) {unknown}; valid options are: {', '.join(valid)}"
+            )
+        result = cls(**options)
+        result.validate()
+        return result
+
+    def validate(self) -> None:
+        if self.codegen not in _CODEGENS:
+            raise ValueError(
+                f"zero3: option codegen={self.codegen!r} is not one of {list(_CODEGENS)}"
+            )
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise ValueError(f"zero3: option bucket_mb must be a positive number, got {self.bucket_mb!r}")
+        for name in ("prefetch_depth", "reduce_scatter_depth"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"zero3: option {name} must be an int >= 0, got {value!r}")
+        if self.reduce_scatter_depth < 1:
+            raise ValueError("zero3: option reduce_scatter_depth must be >= 1")
+        if self.max_inflight_bytes is not None and not (
+            isinstance(self.max_inflight_bytes, int) and self.max_inflight_bytes > 0
+        ):
+            raise ValueError(
+                f"zero3: option max_inflight_bytes must be a positive int or None, got {self.max_inflight_bytes!r}"
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError("zero3: option reshard_after_forward must be True or False")
+        if not (isinstance(self.sync_timeout_s, (int, float)) and self.sync_timeout_s > 0):
+            raise ValueError("zero3: option sync_timeout_s must be a positive number of seconds")

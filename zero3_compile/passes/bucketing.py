@@ -1,0 +1,95 @@
+"""Decide which parameters share one all-gather and which gradients share one reduce-scatter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..graph_utils import node_order
+from ..layout import ShardLayout
+from ..meta import BUCKET
+from ..ops import REDUCE_GRAD, UNSHARD, ReduceGradCall, UnshardCall
+from ..plan import Plan
+
+
+@dataclass
+class Bucket:
+    key: tuple  # (group_name, world_size, dtypes...): only equal keys share a collective
+    block: str | None = None  # the first non-root block of its members
+    nbytes: int = 0
+    members: list[fx.Node] = field(default_factory=list)
+
+
+def assign_buckets(gm: fx.GraphModule, plan: Plan) -> None:
+    """Number the gather markers and the reduce markers into buckets, ``meta[BUCKET]``.
+
+    **Invariant** after: every ``unshard`` marker with users and every ``reduce_grad`` marker has
+    a bucket index; indices follow the order the collectives will be issued in (gathers: first
+    use; reductions: when the gradient is complete). A bucket holds consecutive markers with the
+    same group and dtypes, from at most one block (see ``plan.block_of``), whose communicated bytes
+    stay within ``bucket_mb``; a single larger parameter gets a bucket of its own.
+
+    ```
+    first-use order:  ln1.w ln1.b attn.w attn.b | ln2.w ... (block 0) | ln1.w ... (block 1)
+    buckets:          [------------ 0 ------------------------------]   [------ 1 --------
+    ```
+    """
+    graph = gm.graph
+    order = node_order(graph)
+    gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is UNSHARD and n.users]
+    gathers.sort(key=lambda n: min(order[u] for u in n.users))
+    _number(_group(gathers, plan, _gather_traits), BUCKET)
+    reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]
+    reductions.sort(key=lambda n: order[ReduceGradCall.of(n).grad])
+    _number(_group(reductions, plan, _reduce_traits), BUCKET)
+
+
+def _gather_traits(node: fx.Node) -> tuple[tuple, int, str]:
+    call = UnshardCall.of(node)
+    dtype = call.param_dtype or call.shard.meta["val"].dtype
+    layout = ShardLayout(tuple(call.full_shape), call.world_size)
+    nbytes = layout.padded_numel * call.world_size * dtype.itemsize
+    return (call.group_name, call.world_size, dtype), nbytes, call.name
+
+
+def _reduce_traits(node: fx.Node) -> tuple[tuple, int, str]:
+    call = ReduceGradCall.of(node)
+    grad_val = call.grad.meta["val"]
+    dtype = call.reduce_dtype or grad_val.dtype
+    layout = ShardLayout(tuple(grad_val.shape), call.world_size)
+    nbytes = layout.padded_numel * call.world_size * dtype.itemsize
+    return (call.group_name, call.world_size, dtype, call.shard_dtype), nbytes, call.name
+
+
+def _group(nodes: list[fx.Node], plan: Plan, traits) -> list[Bucket]:
+    cap = plan.options.bucket_bytes
+    buckets: list[Bucket] = []
+    for node in nodes:
+        key, nbytes, name = traits(node)
+        block = plan.block_of(name) or None
+        current = buckets[-1] if buckets else None
+        fits = (
+            current is not None
+            and current.key == key
+            and current.nbytes + nbytes <= cap
+            and (block is None or current.block is None or block == current.block)
+        )
+        if not fits:
+            current = Bucket(key=key)
+            buckets.append(current)
+        current.members.append(node)
+        current.nbytes += nbytes
+        current.block = current.block or block
+    return buckets
+
+
+def _number(buckets: list[Bucket], meta_key: str) -> None:
+    for index, bucket in enumerate(buckets):
+        for node in bucket.members:
+            node.meta[meta_key] = index
+
+
+def bucket_nbytes(dtype: torch.dtype, layouts: list[ShardLayout]) -> int:
+    return sum(layout.padded_numel * layout.world_size for layout in layouts) * dtype.itemsize

@@ -1,0 +1,145 @@
+"""Issue all-gathers ahead of their use so communication overlaps compute."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from ..compat import ALL_GATHER
+from ..graph_utils import VIEW_OPS, move_before, node_order
+from ..meta import (
+    BUCKET,
+    ROLE,
+    ROLE_ALL_GATHER,
+    ROLE_GATHER_COPY_IN,
+    ROLE_GATHER_COPY_OUT,
+    ROLE_GATHER_WAIT,
+)
+from ..plan import Plan
+
+
+@dataclass
+class _Gather:
+    issue: list[fx.Node] = field(default_factory=list)  # copy-in nodes, then the all-gather
+    wait: fx.Node | None = None
+    finish: list[fx.Node] = field(default_factory=list)  # the wait and its copy-outs
+    nbytes: int = 0
+
+
+def prefetch_gathers(gm: fx.GraphModule, plan: Plan) -> None:
+    """Move each bucket's copy-in and all-gather ahead of its wait, within the prefetch budget.
+
+    **Invariant** before: each gather bucket is issue nodes then wait then copy-outs, issued right
+    before first use (``lower_gathers``). After: buckets are issued in the order of their waits;
+    bucket ``i`` is issued right after bucket ``i - prefetch_depth`` finished its wait and copy-out
+    (at the top of the graph when there is none), later if the bytes gathered but not yet used
+    would exceed ``max_inflight_bytes`` (the first prefetched bucket is always allowed), and right
+    before its own wait when ``prefetch_depth == 0``. Waits and uses do not move.
+
+    ```
+    prefetch_depth=1:
+      ag0 = all_gather(s0); w0 = wait(ag0)        # top: nothing to overlap with yet
+      ag1 = all_gather(s1)                        # issued before layer 0 computes
+      y0 = layer0(x, w0)
+      w1 = wait(ag1)
+      ag2 = all_gather(s2)
+      y1 = layer1(y0, w1)
+      ...
+    ```
+    """
+    graph = gm.graph
+    gathers = _collect(graph)
+    if not gathers:
+        return
+    order = node_order(graph)
+    ordered = sorted(gathers.values(), key=lambda g: order[g.wait])
+    depth = plan.options.prefetch_depth
+    cap = plan.options.max_inflight_bytes
+    slots = _choose_slots(ordered, depth, cap)
+    top = _first_compute_node(graph)
+    for gather, slot in zip(ordered, slots):
+        if slot == _OWN_WAIT:
+            anchor = gather.wait
+        elif slot < 0:
+            anchor = top
+        else:
+            anchor = ordered[slot].finish[-1].next
+        anchor = _not_before_inputs(gather.issue, anchor, node_order(graph))
+        move_before(gather.issue, anchor)
+    graph.lint()
+
+
+def _not_before_inputs(issue: list[fx.Node], anchor: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """``anchor``, or a later node if an input of the issue nodes is computed after it."""
+    group = set(issue)
+    latest = max(
+        (inp for node in issue for inp in node.all_input_nodes if inp not in group),
+        key=order.__getitem__,
+        default=None,
+    )
+    if latest is not None and order[latest] >= order[anchor]:
+        return latest.next
+    return anchor
+
+
+_OWN_WAIT = None
+
+
+def _choose_slots(ordered: list[_Gather], depth: int, cap: int | None) -> list[int | None]:
+    """For bucket i: issue after bucket ``slot`` finished (-1: at the top; None: at own wait)."""
+    slots: list[int | None] = []
+    previous = -1
+    for i, gather in enumerate(ordered):
+        if depth == 0:
+            slots.append(_OWN_WAIT)
+            continue
+        slot = max(i - depth, previous)
+        while cap is not None and slot < i - 1:
+            # in flight at slot: buckets issued at or before it and waited after it
+            inflight = sum(
+                ordered[j].nbytes
+                for j in range(slot + 1, i)
+                if slots[j] is not _OWN_WAIT and slots[j] <= slot
+            )
+            if inflight == 0 or inflight + gather.nbytes <= cap:
+                break
+            slot += 1
+        slots.append(slot)
+        previous = slot
+    return slots
+
+
+def _collect(graph: fx.Graph) -> dict[int, _Gather]:
+    gathers: dict[int, _Gather] = defaultdict(_Gather)
+    for node in graph.nodes:
+        role = node.meta.get(ROLE)
+        if role in (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
+            gathers[node.meta[BUCKET]].issue.append(node)
+            if node.target is ALL_GATHER:
+                val = node.meta["val"]
+                gathers[node.meta[BUCKET]].nbytes = val.numel() * val.dtype.itemsize
+        elif role == ROLE_GATHER_WAIT:
+            gathers[node.meta[BUCKET]].wait = node
+            gathers[node.meta[BUCKET]].finish.append(node)
+        elif role == ROLE_GATHER_COPY_OUT:
+            gathers[node.meta[BUCKET]].finish.append(node)
+    return {k: g for k, g in gathers.items() if g.wait is not None}
+
+
+def _first_compute_node(graph: fx.Graph) -> fx.Node:
+    """The first node that is not a placeholder, a view of one (hoisted shards) or a gather issue."""
+    for node in graph.nodes:
+        if node.op == "placeholder" or node.meta.get(ROLE) in (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
+            continue
+        if node.op == "call_function" and node.target in VIEW_OPS and _views_placeholder(node):
+            continue
+        return node
+    raise AssertionError("zero3: graph has no output node")
+
+
+def _views_placeholder(node: fx.Node) -> bool:
+    while node.op == "call_function" and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node.op == "placeholder"

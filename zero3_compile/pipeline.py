@@ -1,0 +1,102 @@
+"""The ordered passes for each kind of graph; runs each under an observer and verifies after it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from .passes import (
+    assign_buckets,
+    dedupe_gathers,
+    lower_gathers,
+    lower_reductions,
+    prefetch_gathers,
+    tag_recompute,
+    verify,
+)
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+Pass = Callable[[fx.GraphModule, Plan], None]
+
+JOINT_PASSES: tuple[Pass, ...] = (dedupe_gathers, tag_recompute)
+FORWARD_PASSES: tuple[Pass, ...] = (assign_buckets, lower_gathers, prefetch_gathers)
+BACKWARD_PASSES: tuple[Pass, ...] = FORWARD_PASSES + (lower_reductions,)
+
+_PASSES_BY_KIND = {
+    "joint": JOINT_PASSES,
+    "forward": FORWARD_PASSES,
+    "inference": FORWARD_PASSES,
+    "backward": BACKWARD_PASSES,
+}
+
+_graph_ids = itertools.count()
+
+
+def passes_for(graph_kind: str) -> tuple[Pass, ...]:
+    return _PASSES_BY_KIND[graph_kind]
+
+
+def run_pipeline(
+    gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] | None = None, graph_id: int | None = None
+) -> int:
+    """Run ``passes`` (default: those of ``plan.graph_kind``) on ``gm`` in place; return its id."""
+    passes = passes_for(plan.graph_kind) if passes is None else passes
+    graph_id = next(_graph_ids) if graph_id is None else graph_id
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dump = _Dumper(plan, graph_id, rank)
+    dump.write("00_input", gm)
+    for step, graph_pass in enumerate(passes, start=1):
+        before = _op_counts(gm.graph)
+        start = time.perf_counter()
+        graph_pass(gm, plan)
+        gm.recompile()
+        elapsed = time.perf_counter() - start
+        if plan.options.verify and plan.graph_kind != "joint":
+            verify(gm, plan)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "[rank %d] zero3: %s graph %d: %s took %.1f ms, ops %s",
+                rank, plan.graph_kind, graph_id, graph_pass.__name__, elapsed * 1e3,
+                _diff(before, _op_counts(gm.graph)),
+            )
+        dump.write(f"{step:02d}_{graph_pass.__name__}", gm)
+    if plan.options.verify and plan.graph_kind != "joint":
+        verify(gm, plan, lowered=True)
+    return graph_id
+
+
+def _op_counts(graph: fx.Graph) -> Counter:
+    return Counter(str(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def _diff(before: Counter, after: Counter) -> str:
+    changes = []
+    for op in sorted(set(before) | set(after)):
+        delta = after[op] - before[op]
+        if delta:
+            changes.append(f"{op.split('.')[-2] if '.' in op else op}{delta:+d}")
+    return ", ".join(changes) or "unchanged"
+
+
+class _Dumper:
+    def __init__(self, plan: Plan, graph_id: int, rank: int):
+        root = plan.options.dump_dir or os.environ.get("ZERO3_DUMP_DIR")
+        self.folder = (
+            os.path.join(root, f"rank{rank}", f"graph{graph_id:03d}_{plan.graph_kind}") if root else None
+        )
+
+    def write(self, name: str, gm: fx.GraphModule) -> None:
+        if self.folder is None:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"{name}.py"), "w") as f:
+            f.write(gm.print_readable(print_output=False))
