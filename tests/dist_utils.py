@@ -94,7 +94,11 @@ def run_ranks(
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs and i not in errors]
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and i not in outputs and i not in errors
+                ]
                 if dead:
                     # a rank died without reporting (segfault, abort): give the others a moment
                     # to report their own error, then fail

@@ -115,7 +115,9 @@ class FrozenMLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(10, 17), nn.Tanh(), nn.Linear(17, 13), nn.Tanh(), nn.Linear(13, 5))
+        self.layers = nn.Sequential(
+            nn.Linear(10, 17), nn.Tanh(), nn.Linear(17, 13), nn.Tanh(), nn.Linear(13, 5)
+        )
         for p in self.layers[0].parameters():
             p.requires_grad_(False)
 

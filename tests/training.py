@@ -70,9 +70,13 @@ def train_pair(
         if step == 0:
             params = dict(model.named_parameters())
             out["grads"] = {
-                n: (params[n].grad.full_tensor() if params[n].grad is not None else None) for n in names
+                n: (params[n].grad.full_tensor() if params[n].grad is not None else None)
+                for n in names
             }
-            out["ref_grads"] = {n: p.grad.clone() if p.grad is not None else None for n, p in reference.named_parameters()}
+            out["ref_grads"] = {
+                n: p.grad.clone() if p.grad is not None else None
+                for n, p in reference.named_parameters()
+            }
             out["grad_types"] = {n: type(params[n].grad).__name__ for n in names}
             out["grad_placements"] = {
                 n: str(params[n].grad.placements) for n in names if params[n].grad is not None

@@ -1,7 +1,7 @@
 """zero3_compile: ZeRO stage 3 (fully sharded data parallel) as a torch.compile backend.
 
-    model = zero3_compile.shard(model)                 # every parameter becomes a 1/N shard
-    cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_compile.Options
+model = zero3_compile.shard(model)                 # every parameter becomes a 1/N shard
+cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_compile.Options
 """
 
 from . import ops as _ops  # noqa: F401  (registers the zero3:: operators)

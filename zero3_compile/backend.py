@@ -124,7 +124,9 @@ def _source_hash() -> str:
 
 def _schedule(gm: fx.GraphModule, plan: Plan) -> None:
     graph_id = run_pipeline(gm, plan)
-    check_same_on_all_ranks(gm.graph, f"{plan.graph_kind} graph {graph_id}", plan.options.sync_timeout_s)
+    check_same_on_all_ranks(
+        gm.graph, f"{plan.graph_kind} graph {graph_id}", plan.options.sync_timeout_s
+    )
 
 
 def _graph_kind(kwargs: dict[str, Any]) -> str:
@@ -169,6 +171,7 @@ def _boxed(gm: fx.GraphModule):
             return forward(args)
 
     except ImportError:  # pragma: no cover - older torch
+
         def run(args):
             return torch.fx.Interpreter(gm).boxed_run(args)
 
@@ -176,7 +179,9 @@ def _boxed(gm: fx.GraphModule):
     return run
 
 
-def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: Plan, mode: str | None):
+def _compile_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], plan: Plan, mode: str | None
+):
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

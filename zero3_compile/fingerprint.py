@@ -63,7 +63,9 @@ def check_same_on_all_ranks(graph: fx.Graph, label: str, timeout_s: float) -> No
     digest = hashlib.sha256(repr(signature).encode()).hexdigest()[:16]
     me = dist.get_rank()
     prefix = f"zero3/fingerprint/{group_name}/{sequence}/"
-    store.set(prefix + str(me), json.dumps({"digest": digest, "label": label, "signature": signature}))
+    store.set(
+        prefix + str(me), json.dumps({"digest": digest, "label": label, "signature": signature})
+    )
     try:
         store_wait(store, [prefix + str(r) for r in ranks], timeout_s)
     except Exception as error:  # DistStoreError (timeout) or a closed store (a peer died)
@@ -86,7 +88,13 @@ def check_same_on_all_ranks(graph: fx.Graph, label: str, timeout_s: float) -> No
             "Every rank must run the same model code on inputs of the same shapes and dtypes "
             "(no rank-dependent branches in forward)."
         )
-    log.debug("[rank %d] zero3: graph #%d (%s): %d collectives agree on all ranks", me, sequence, label, len(signature))
+    log.debug(
+        "[rank %d] zero3: graph #%d (%s): %d collectives agree on all ranks",
+        me,
+        sequence,
+        label,
+        len(signature),
+    )
 
 
 def _has_key(store, key: str) -> bool:
@@ -101,6 +109,4 @@ def _first_difference(rank_a: int, sig_a: list, rank_b: int, sig_b: list) -> str
     for i, (a, b) in enumerate(zip(sig_a, sig_b)):
         if tuple(a) != b:
             return f"Collective {i}: rank {rank_a} issues {tuple(a)}, rank {rank_b} issues {b}."
-    return (
-        f"Rank {rank_a} issues {len(sig_a)} collectives, rank {rank_b} issues {len(sig_b)}."
-    )
+    return f"Rank {rank_a} issues {len(sig_a)} collectives, rank {rank_b} issues {len(sig_b)}."

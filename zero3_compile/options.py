@@ -71,7 +71,9 @@ class Options:
                 f"zero3: option codegen={self.codegen!r} is not one of {list(_CODEGENS)}"
             )
         if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
-            raise ValueError(f"zero3: option bucket_mb must be a positive number, got {self.bucket_mb!r}")
+            raise ValueError(
+                f"zero3: option bucket_mb must be a positive number, got {self.bucket_mb!r}"
+            )
         for name in ("prefetch_depth", "reduce_scatter_depth"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):

@@ -46,7 +46,10 @@ def passes_for(graph_kind: str) -> tuple[Pass, ...]:
 
 
 def run_pipeline(
-    gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass] | None = None, graph_id: int | None = None
+    gm: fx.GraphModule,
+    plan: Plan,
+    passes: Sequence[Pass] | None = None,
+    graph_id: int | None = None,
 ) -> int:
     """Run ``passes`` (default: those of ``plan.graph_kind``) on ``gm`` in place; return its id."""
     passes = passes_for(plan.graph_kind) if passes is None else passes
@@ -65,7 +68,11 @@ def run_pipeline(
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "[rank %d] zero3: %s graph %d: %s took %.1f ms, ops %s",
-                rank, plan.graph_kind, graph_id, graph_pass.__name__, elapsed * 1e3,
+                rank,
+                plan.graph_kind,
+                graph_id,
+                graph_pass.__name__,
+                elapsed * 1e3,
                 _diff(before, _op_counts(gm.graph)),
             )
         dump.write(f"{step:02d}_{graph_pass.__name__}", gm)
@@ -91,7 +98,9 @@ class _Dumper:
     def __init__(self, plan: Plan, graph_id: int, rank: int):
         root = plan.options.dump_dir or os.environ.get("ZERO3_DUMP_DIR")
         self.folder = (
-            os.path.join(root, f"rank{rank}", f"graph{graph_id:03d}_{plan.graph_kind}") if root else None
+            os.path.join(root, f"rank{rank}", f"graph{graph_id:03d}_{plan.graph_kind}")
+            if root
+            else None
         )
 
     def write(self, name: str, gm: fx.GraphModule) -> None:

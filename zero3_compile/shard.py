@@ -169,7 +169,10 @@ def shard(
         _swap_class(owner, specs)
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",
-        rank, len(named), len(sharded), world_size,
+        rank,
+        len(named),
+        len(sharded),
+        world_size,
     )
     return module
 

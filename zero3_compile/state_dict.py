@@ -39,7 +39,9 @@ def full_state_dict(
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True
+) -> None:
     """Load a full (unsharded) state dict into a sharded model: each rank keeps its own chunk."""
     params = dict(model.named_parameters(remove_duplicate=False))
     own = model.state_dict(keep_vars=True)

@@ -38,7 +38,9 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> None:
     """
     graph = gm.graph
     order = node_order(graph)
-    gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is UNSHARD and n.users]
+    gathers = [
+        n for n in graph.nodes if n.op == "call_function" and n.target is UNSHARD and n.users
+    ]
     gathers.sort(key=lambda n: min(order[u] for u in n.users))
     _number(_group(gathers, plan, _gather_traits), BUCKET)
     reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]

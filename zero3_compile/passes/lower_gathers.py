@@ -125,7 +125,13 @@ def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx
 
     copy_out = factory(ROLE_GATHER_COPY_OUT)
     if len(calls) == 1:
-        return [_rows(copy_out, copy_out(aten.view.default, waited, list(layouts[0].gathered_shape())), layouts[0])]
+        return [
+            _rows(
+                copy_out,
+                copy_out(aten.view.default, waited, list(layouts[0].gathered_shape())),
+                layouts[0],
+            )
+        ]
     bucket_numel = sum(layout.padded_numel for layout in layouts)
     per_rank = copy_out(aten.view.default, waited, [world, bucket_numel])
     fulls, offset = [], 0

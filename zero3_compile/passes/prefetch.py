@@ -131,7 +131,10 @@ def _collect(graph: fx.Graph) -> dict[int, _Gather]:
 def _first_compute_node(graph: fx.Graph) -> fx.Node:
     """The first node that is not a placeholder, a view of one (hoisted shards) or a gather issue."""
     for node in graph.nodes:
-        if node.op == "placeholder" or node.meta.get(ROLE) in (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
+        if node.op == "placeholder" or node.meta.get(ROLE) in (
+            ROLE_GATHER_COPY_IN,
+            ROLE_ALL_GATHER,
+        ):
             continue
         if node.op == "call_function" and node.target in VIEW_OPS and _views_placeholder(node):
             continue

@@ -44,8 +44,10 @@ def tag_recompute(gm: fx.GraphModule, plan: Plan) -> None:
         if node.target is UNSHARD:
             _tag(node, gather_policy)
             derived.add(node)
-        elif _recomputable(node) and node.all_input_nodes and all(
-            inp in derived for inp in node.all_input_nodes
+        elif (
+            _recomputable(node)
+            and node.all_input_nodes
+            and all(inp in derived for inp in node.all_input_nodes)
         ):
             _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
             derived.add(node)

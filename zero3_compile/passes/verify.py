@@ -36,9 +36,13 @@ def verify(gm: fx.GraphModule, plan: Plan, *, lowered: bool = False) -> None:
         if node.target in (ALL_GATHER, REDUCE_SCATTER):
             users = list(node.users)
             if len(users) != 1 or users[0].target is not WAIT:
-                raise ScheduleError(f"zero3: collective {node.name} must have exactly one user, its wait; has {users}")
+                raise ScheduleError(
+                    f"zero3: collective {node.name} must have exactly one user, its wait; has {users}"
+                )
             if order[users[0]] <= order[node]:
-                raise ScheduleError(f"zero3: wait {users[0].name} precedes its collective {node.name}")
+                raise ScheduleError(
+                    f"zero3: wait {users[0].name} precedes its collective {node.name}"
+                )
         elif node.target is WAIT:
             source = node.args[0]
             if not (isinstance(source, fx.Node) and source.target in (ALL_GATHER, REDUCE_SCATTER)):
