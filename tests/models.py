@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -133,3 +134,23 @@ def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def mlp_batch(global_batch: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(global_batch, 10, generator=gen), torch.randn(global_batch, 5, generator=gen)
+
+
+class GraphBreakGPT(GPT):
+    """The GPT with a dynamo graph break between its blocks (and eager code in between)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        pos = torch.arange(seq, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x)
+            if i == 0:
+                x = _eager_scale(self.transformer.ln_f, x)  # a graph break
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+@torch._dynamo.disable
+def _eager_scale(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """Runs eagerly between two compiled graphs, and reads a sharded parameter there."""
+    return x * norm.weight.mean()

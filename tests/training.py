@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import zero3_compile as z3
 
-from .models import GPT, FrozenMLP, gpt_batch, gpt_loss, mlp_batch, mlp_loss
+from .models import GPT, FrozenMLP, GraphBreakGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 
 PER_RANK_BATCH = 2
 
@@ -19,6 +20,8 @@ def build(model_name: str):
     torch.manual_seed(1234)
     if model_name == "gpt":
         return GPT(), gpt_loss, gpt_batch
+    if model_name == "gpt_graph_break":
+        return GraphBreakGPT(), gpt_loss, gpt_batch
     if model_name == "mlp":
         return FrozenMLP(), mlp_loss, mlp_batch
     raise ValueError(model_name)
@@ -38,30 +41,53 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of per-parameter optimizer state tensors (the scalar ``step`` counters excluded)."""
+    return local_bytes(
+        value
+        for state in opt.state.values()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key != "step"
+    )
+
+
 def train_pair(
     rank: int,
     world_size: int,
     model_name: str,
     optimizer: str,
-    options: dict[str, Any],
+    options: dict[str, Any] | None,
     steps: int = 5,
-    compile_model: bool = True,
+    check_inference: bool = False,
 ) -> dict[str, Any]:
     """Train zero3 (each rank its slice of the batch) and the reference (whole batch) in lockstep.
 
-    Returns the full gradients after the first backward, both loss trajectories and the full
-    parameters after ``steps`` optimizer steps, for both, on every rank.
+    ``options=None`` runs the sharded model eagerly (no torch.compile). Returns the full gradients
+    after the first backward, both loss trajectories, the full parameters after ``steps``
+    optimizer steps, and the per-rank bytes of parameters, gradients and optimizer state.
     """
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     z3.shard(model)
-    step_model = torch.compile(model, backend="zero3", options=options) if compile_model else model
-    opt = make_optimizer(optimizer, model.parameters())
+    step_model = (
+        model if options is None else torch.compile(model, backend="zero3", options=options)
+    )
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     ref_opt = make_optimizer(optimizer, [p for p in reference.parameters() if p.requires_grad])
     names = [n for n, _ in reference.named_parameters()]
     out: dict[str, Any] = {"losses": [], "ref_losses": []}
     for step in range(steps):
-        inputs, targets = make_batch(world_size * PER_RANK_BATCH, seed=step)
+        inputs, targets = make_batch(world_size * PER_RANK_BATCH, seed=0)  # fixed: loss must fall
         mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
         loss = loss_fn(step_model, (inputs[mine], targets[mine]))
         loss.backward()
@@ -81,14 +107,41 @@ def train_pair(
             out["grad_placements"] = {
                 n: str(params[n].grad.placements) for n in names if params[n].grad is not None
             }
+            out["bytes"] = {
+                "params": local_bytes(model.parameters()),
+                "grads": local_bytes(p.grad for p in model.parameters()),
+                "ref_params": local_bytes(reference.parameters()),
+                "ref_grads": local_bytes(p.grad for p in reference.parameters()),
+            }
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+        if step == 0:
+            out["bytes"]["optim"] = optimizer_state_bytes(opt)
+            out["bytes"]["ref_optim"] = optimizer_state_bytes(ref_opt)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         out["losses"].append(global_loss.item() / world_size)
         out["ref_losses"].append(ref_loss.item())
     out["params"] = z3.full_state_dict(model)
     out["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    if check_inference:
+        inputs, _ = make_batch(world_size * PER_RANK_BATCH, seed=99)
+        mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            out["inference"] = step_model(inputs[mine])
+            out["ref_inference"] = reference(inputs[mine])
     return out
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict[str, Any]:
+    """Run several ``train_pair`` jobs in one process group; keyed by "model/optimizer/tag"."""
+    results = {}
+    for model_name, optimizer, options, tag, kwargs in jobs:
+        results[f"{model_name}/{optimizer}/{tag}"] = train_pair(
+            rank, world_size, model_name, optimizer, options, **kwargs
+        )
+    return results

@@ -27,9 +27,10 @@ import torch.nn as nn
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from .fingerprint import check_same_on_all_ranks
+from .debug import GraphRecord, _record
+from .fingerprint import check_generated_order, check_same_on_all_ranks
 from .graph_utils import output_node
-from .meta import PARAM_DERIVED
+from .meta import NUM_USER_OUTPUTS, PARAM_DERIVED
 from .ops import UNSHARD
 from .options import Options
 from .passes.verify import ScheduleError
@@ -90,6 +91,7 @@ class Zero3Partitioner(CustomPartitionerFn):
         run_pipeline(gm, self.plan.for_graph("joint"))
         kwargs.setdefault("compiler", "inductor")
         fw_module, bw_module = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
         if self.plan.options.reshard_after_forward:
             _check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"])
         return fw_module, bw_module
@@ -122,11 +124,13 @@ def _source_hash() -> str:
 # --------------------------------------------------------------------------- scheduling
 
 
-def _schedule(gm: fx.GraphModule, plan: Plan) -> None:
+def _schedule(gm: fx.GraphModule, plan: Plan) -> GraphRecord:
     graph_id = run_pipeline(gm, plan)
-    check_same_on_all_ranks(
-        gm.graph, f"{plan.graph_kind} graph {graph_id}", plan.options.sync_timeout_s
-    )
+    label = f"{plan.graph_kind} graph {graph_id}"
+    check_same_on_all_ranks(gm.graph, label, plan.options.sync_timeout_s)
+    record = GraphRecord(kind=plan.graph_kind, graph_id=graph_id, gm=gm)
+    _record(record)
+    return record
 
 
 def _graph_kind(kwargs: dict[str, Any]) -> str:
@@ -186,8 +190,13 @@ def _compile_inductor(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph_module: fx.GraphModule, inputs, **kwargs):
-        _schedule(graph_module, plan.for_graph(_graph_kind(kwargs)))
-        return compile_fx_inner(graph_module, inputs, **kwargs)
+        record = _schedule(graph_module, plan.for_graph(_graph_kind(kwargs)))
+        compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+        record.source_code = getattr(compiled, "source_code", None)
+        check_generated_order(
+            graph_module.graph, record.source_code, f"{record.kind} graph {record.graph_id}"
+        )
+        return compiled
 
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import re
 from collections import defaultdict
 
 import torch.distributed as dist
@@ -110,3 +112,66 @@ def _first_difference(rank_a: int, sig_a: list, rank_b: int, sig_b: list) -> str
         if tuple(a) != b:
             return f"Collective {i}: rank {rank_a} issues {tuple(a)}, rank {rank_b} issues {b}."
     return f"Rank {rank_a} issues {len(sig_a)} collectives, rank {rank_b} issues {len(sig_b)}."
+
+
+_CALL = re.compile(
+    r"^\s*(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\("
+)
+_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
+
+
+def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]:
+    """(kind, output elements or None) of each collective in Inductor's generated wrapper code.
+
+    The output size comes from Inductor's ``assert_size_stride`` line (None when size asserts are
+    off). Kinds use the names of ``collective_signature``.
+    """
+    order: list[tuple[str, int | None]] = []
+    pending: dict[str, int] = {}
+    for line in source_code.splitlines():
+        call = _CALL.match(line)
+        if call:
+            kind = "all_gather" if call.group(2) == "all_gather_into_tensor" else "reduce_scatter"
+            pending[call.group(1)] = len(order)
+            order.append((kind, None))
+            continue
+        size = _SIZE.match(line)
+        if size and size.group(1) in pending:
+            index = pending.pop(size.group(1))
+            numel = math.prod(int(d) for d in size.group(2).replace(" ", "").split(",") if d)
+            order[index] = (order[index][0], numel)
+    return order
+
+
+def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
+    """What ``generated_collective_order`` must find for ``graph``: kinds and output sizes."""
+    kinds = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+    return [
+        (kinds[node.target], int(node.meta["val"].numel()))
+        for node in graph.nodes
+        if node.op == "call_function" and node.target in kinds
+    ]
+
+
+def check_generated_order(graph: fx.Graph, source_code: str | None, label: str) -> None:
+    """Raise if Inductor's generated code issues the collectives in another order than ``graph``.
+
+    All ranks run the same passes, but Inductor sees rank-specific shapes (uneven shards), so a
+    reordering there could differ between ranks and hang them; this turns that into an error.
+    """
+    expected = expected_collective_order(graph)
+    if not expected or source_code is None:
+        return
+    found = generated_collective_order(source_code)
+    if not found:
+        log.warning("zero3: could not read the collective order of %s from Inductor's code", label)
+        return
+    same = len(found) == len(expected) and all(
+        fk == ek and (fn is None or fn == en) for (fk, fn), (ek, en) in zip(found, expected)
+    )
+    if not same:
+        raise CollectiveMismatchError(
+            f"zero3: Inductor reordered the collectives of {label}: scheduled {expected}, "
+            f"generated {found}. This could hang ranks; use options={{'codegen': 'eager'}} "
+            "and please report it."
+        )

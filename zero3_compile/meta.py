@@ -23,3 +23,7 @@ ROLE_REDUCE_COPY_OUT = "reduce_copy_out"
 GATHER_ISSUE_ROLES = (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER)
 REDUCE_ISSUE_ROLES = (ROLE_REDUCE_COPY_IN, ROLE_REDUCE_SCATTER)
 REDUCE_FINISH_ROLES = (ROLE_REDUCE_WAIT, ROLE_REDUCE_COPY_OUT)
+
+# On a partitioned forward GraphModule's ``meta``: how many of its outputs are the user's
+# (the rest are saved for backward).
+NUM_USER_OUTPUTS = "zero3_num_user_outputs"

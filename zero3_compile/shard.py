@@ -49,22 +49,25 @@ def spec_of(param: torch.Tensor) -> ParamSpec | None:
 
 
 def _make_getter(attr: str, spec: ParamSpec):
-    full_shape = list(spec.full_shape)
+    """The property getter of one parameter: ``unshard`` of its local shard.
 
-    def get_full_parameter(self):
-        param = self._parameters[attr]
-        return torch.ops.zero3.unshard(
-            param.to_local(),
-            full_shape,
-            spec.group_name,
-            spec.world_size,
-            spec.param_dtype,
-            spec.reduce_dtype,
-            spec.name,
-        )
+    The getter is generated with the spec's values as literals: read from a closure or an
+    attribute, dynamo would treat the shape integers as inputs, and on a recompile mark them
+    dynamic (symbolic full shapes); literals are constants of the code.
+    """
+    source = (
+        "def get_full_parameter(self):\n"
+        f"    return torch.ops.zero3.unshard(self._parameters[{attr!r}].to_local(), "
+        f"{list(spec.full_shape)!r}, {spec.group_name!r}, {spec.world_size}, "
+        f"{_literal(spec.param_dtype)}, {_literal(spec.reduce_dtype)}, {spec.name!r})\n"
+    )
+    namespace = {"torch": torch}
+    exec(compile(source, f"<zero3 parameter {spec.name}>", "exec"), namespace)
+    return namespace["get_full_parameter"]
 
-    get_full_parameter.__name__ = f"zero3_full_{attr}"
-    return get_full_parameter
+
+def _literal(dtype: torch.dtype | None) -> str:
+    return "None" if dtype is None else str(dtype)  # "torch.bfloat16"
 
 
 def _swap_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
@@ -80,7 +83,7 @@ def _swap_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
     module.__class__ = cls
 
 
-def _check_can_shard(module: nn.Module, group) -> None:
+def _check_can_shard(module: nn.Module) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "zero3: torch.distributed is not initialised; call "
@@ -134,7 +137,7 @@ def shard(
         shards, gradients and optimizer state stay in the parameters' own dtype.
     reduce_dtype: dtype gradients are reduce-scattered in (default: param_dtype).
     """
-    _check_can_shard(module, group)
+    _check_can_shard(module)
     group = group if group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
