@@ -7,55 +7,16 @@ trajectory, full parameters after 5 optimizer steps, and persistent memory per r
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
-from .dist_utils import run_ranks
-from .training import rel_diff, run_jobs
+from .runs import EAGER_JOBS, INDUCTOR_JOBS, results
+from .training import rel_diff
 
-EAGER = {"codegen": "eager"}
-INDUCTOR = {"codegen": "inductor"}
 TOLERANCE = {"eager": 1e-5, "inductor": 1e-4}
 ADAMW_LR = 1e-2  # tests/training.py
-
-# (model, optimizer, options, tag, train_pair kwargs); one process group per world and codegen
-EAGER_JOBS = {
-    1: [("gpt", "sgd", EAGER, "c", {}), ("mlp", "sgd", EAGER, "c", {})],
-    2: [
-        ("gpt", "sgd", EAGER, "c", {"check_inference": True}),
-        ("mlp", "sgd", EAGER, "c", {}),
-        ("gpt", "adamw", EAGER, "c", {}),
-        ("gpt_graph_break", "sgd", EAGER, "c", {}),
-    ],
-    3: [
-        ("gpt", "sgd", EAGER, "c", {}),
-        ("mlp", "sgd", EAGER, "c", {}),
-        ("mlp", "adamw", EAGER, "c", {}),
-        ("gpt", "sgd", None, "uncompiled", {}),
-    ],
-    4: [
-        ("gpt", "sgd", EAGER, "c", {}),
-        ("mlp", "sgd", EAGER, "c", {}),
-        ("gpt", "adamw", EAGER, "c", {}),
-    ],
-}
-INDUCTOR_JOBS = {
-    2: [
-        ("gpt", "sgd", INDUCTOR, "c", {}),
-        ("gpt", "adamw", INDUCTOR, "c", {}),
-        ("mlp", "sgd", INDUCTOR, "c", {}),
-    ],
-    3: [("gpt", "sgd", INDUCTOR, "c", {})],
-}
-
-
-@functools.cache
-def results(world: int, codegen: str) -> dict:
-    jobs = (EAGER_JOBS if codegen == "eager" else INDUCTOR_JOBS)[world]
-    return run_ranks(run_jobs, world, jobs, timeout=900)
 
 
 def cases(jobs_by_world, codegen, optimizer=None):

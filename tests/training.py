@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -10,7 +11,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import zero3_compile as z3
+from zero3_compile.debug import record_graphs
 
+from .graph_checks import analyze
 from .models import GPT, FrozenMLP, GraphBreakGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 
 PER_RANK_BATCH = 2
@@ -69,6 +72,7 @@ def train_pair(
     options: dict[str, Any] | None,
     steps: int = 5,
     check_inference: bool = False,
+    analyze_graphs: bool = False,
 ) -> dict[str, Any]:
     """Train zero3 (each rank its slice of the batch) and the reference (whole batch) in lockstep.
 
@@ -76,6 +80,15 @@ def train_pair(
     after the first backward, both loss trajectories, the full parameters after ``steps``
     optimizer steps, and the per-rank bytes of parameters, gradients and optimizer state.
     """
+    with contextlib.ExitStack() as stack:
+        records = stack.enter_context(record_graphs()) if analyze_graphs else None
+        out = _train_pair(rank, world_size, model_name, optimizer, options, steps, check_inference)
+    if records is not None:
+        out["graphs"] = analyze(records)
+    return out
+
+
+def _train_pair(rank, world_size, model_name, optimizer, options, steps, check_inference):
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     z3.shard(model)

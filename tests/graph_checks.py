@@ -1,0 +1,68 @@
+"""Structural checks of compiled graphs, independent of the passes' own metadata."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zero3_compile.debug import GraphRecord
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        for inp in current.all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                stack.append(inp)
+    return seen
+
+
+def saved_gathered_parameters(record: GraphRecord) -> list[str]:
+    """Saved-for-backward tensors of a forward graph that are gathered parameters.
+
+    A saved tensor counts as a gathered parameter when it derives from an all-gather's wait and
+    from no placeholder other than the shards that feed all-gathers: it is the full parameter or
+    a function of parameters alone (a transpose, a cast), never an activation.
+    """
+    graph = record.gm.graph
+    shard_inputs = {
+        p
+        for n in graph.nodes
+        if n.target is ALL_GATHER
+        for p in _ancestors(n)
+        if p.op == "placeholder"
+    }
+    gathered = []
+    for node in record.saved:
+        ancestors = _ancestors(node) | {node}
+        from_gather = any(a.target is WAIT and a.args[0].target is ALL_GATHER for a in ancestors)
+        placeholders = {a for a in ancestors if a.op == "placeholder"}
+        if from_gather and placeholders <= shard_inputs:
+            gathered.append(f"{node.name}{tuple(node.meta['val'].shape)}")
+    return gathered
+
+
+def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return {
+        "all_gather": sum(n.target is ALL_GATHER for n in nodes),
+        "reduce_scatter": sum(n.target is REDUCE_SCATTER for n in nodes),
+    }
+
+
+def analyze(records: list[GraphRecord]) -> dict:
+    """Per graph kind: collective counts; for forward graphs, the saved gathered parameters."""
+    out: dict = {}
+    for record in records:
+        entry = out.setdefault(
+            record.kind, {"all_gather": 0, "reduce_scatter": 0, "saved_gathered": [], "saved": 0}
+        )
+        for kind, count in collective_counts(record.gm).items():
+            entry[kind] += count
+        if record.kind == "forward":
+            entry["saved_gathered"] += saved_gathered_parameters(record)
+            entry["saved"] += len(record.saved)
+    return out

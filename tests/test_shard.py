@@ -1,0 +1,164 @@
+"""shard(): layout, tied and frozen parameters, buffers, state dicts (4 gloo ranks)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import zero3_compile as z3
+
+from .dist_utils import run_ranks
+from .models import GPT, gpt_batch
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Linear(5, 3)  # 3 rows over 4 ranks: rank 3 holds nothing
+        self.register_buffer("scale", torch.arange(3.0) + 1)
+
+    def forward(self, x):
+        return self.small(x) * self.scale
+
+
+def _shard_facts(rank, world_size):
+    torch.manual_seed(0)
+    gpt = GPT()
+    full = {k: v.clone() for k, v in gpt.state_dict().items()}
+    keys = list(gpt.state_dict().keys())
+    idx, _ = gpt_batch(2)
+    expected = gpt(idx)
+    returned = z3.shard(gpt)
+    facts = {
+        "returned_same": returned is gpt,
+        "keys_unchanged": list(gpt.state_dict().keys()) == keys,
+        "tied": gpt.transformer.wte._parameters["weight"] is gpt.lm_head._parameters["weight"],
+        "all_dtensor_shard0": all(
+            isinstance(p, DTensor) and str(p.placements) == "(Shard(dim=0),)"
+            for p in gpt.parameters()
+        ),
+        "state_dict_dtensor": all(isinstance(v, DTensor) for v in gpt.state_dict().values()),
+        "local_rows": {n: p.to_local().shape[0] for n, p in gpt.named_parameters()},
+        "chunk_rows": {
+            n: (
+                torch.chunk(full[n], world_size)[rank].shape[0]
+                if rank < len(torch.chunk(full[n], world_size))
+                else 0
+            )
+            for n, _ in gpt.named_parameters()
+        },
+        "global_shapes_ok": all(
+            tuple(p.shape) == tuple(full[n].shape) for n, p in gpt.named_parameters()
+        ),
+        "full_param_access": torch.equal(gpt.lm_head.weight, full["lm_head.weight"]),
+        "eager_forward_diff": (gpt(idx) - expected).abs().max().item(),
+    }
+    sd = z3.full_state_dict(gpt)
+    facts["full_sd_keys"] = list(sd) == keys
+    facts["full_sd_plain_equal"] = all(
+        type(sd[k]) is torch.Tensor and torch.equal(sd[k], full[k]) for k in keys
+    )
+    facts["rank0_only_sizes"] = len(z3.full_state_dict(gpt, rank0_only=True))
+    plain = GPT()
+    plain.load_state_dict(sd, strict=True)  # the unsharded model takes it as is
+    facts["plain_load_ok"] = torch.equal(plain.lm_head.weight, full["lm_head.weight"])
+
+    # load_full_state_dict: perturb, load the original back
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.to_local().add_(1.0)
+    z3.load_full_state_dict(gpt, full)
+    facts["load_full_roundtrip"] = all(
+        torch.equal(v, full[k]) for k, v in z3.full_state_dict(gpt).items()
+    )
+
+    # frozen parameters and buffers
+    small = WithBuffer()
+    small.small.bias.requires_grad_(False)
+    x = torch.randn(2, 5)
+    ref = copy.deepcopy(small)
+    z3.shard(small)
+    facts["buffer_whole"] = type(small.scale) is torch.Tensor and small.scale.shape == (3,)
+    facts["frozen_sharded"] = (
+        isinstance(small.small.bias, torch.Tensor)
+        and not small._modules["small"]._parameters["bias"].requires_grad
+    )
+    facts["small_rows"] = small.small._parameters["weight"].to_local().shape[0]
+    out = small(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    facts["small_forward_equal"] = torch.allclose(out, ref(x))
+    facts["frozen_grad_none"] = small.small._parameters["bias"].grad is None
+    grad = small.small._parameters["weight"].grad.full_tensor()
+    facts["small_grad_is_mean"] = torch.allclose(grad, ref.small.weight.grad)  # same x on all ranks
+    dist.barrier()
+    return facts
+
+
+@functools.cache
+def facts():
+    return run_ranks(_shard_facts, 4, timeout=300)
+
+
+def test_shard_returns_the_model_with_sharded_dtensor_parameters_under_the_same_names():
+    for f in facts():
+        assert f["returned_same"] and f["keys_unchanged"] and f["all_dtensor_shard0"]
+        assert f["state_dict_dtensor"] and f["global_shapes_ok"]
+
+
+def test_local_shards_follow_torch_chunk_including_uneven_and_empty():
+    for f in facts():
+        assert f["local_rows"] == f["chunk_rows"]
+    # n_embd=20 rows over 4 ranks: 5 each; vocab 61: 16, 16, 16, 13
+    assert [f["local_rows"]["transformer.wte.weight"] for f in facts()] == [16, 16, 16, 13]
+    assert [f["small_rows"] for f in facts()] == [1, 1, 1, 0]  # 3 rows over 4 ranks
+
+
+def test_tied_parameters_stay_tied():
+    assert all(f["tied"] for f in facts())
+
+
+def test_reading_a_parameter_gives_the_full_tensor_and_eager_forward_is_unchanged():
+    for f in facts():
+        assert f["full_param_access"]
+        assert f["eager_forward_diff"] <= 1e-6
+
+
+def test_full_state_dict_has_plain_full_tensors_under_the_original_keys():
+    for rank, f in enumerate(facts()):
+        assert f["full_sd_keys"] and f["full_sd_plain_equal"] and f["plain_load_ok"]
+        assert f["rank0_only_sizes"] == (len(GPT().state_dict()) if rank == 0 else 0)
+
+
+def test_load_full_state_dict_restores_every_shard():
+    assert all(f["load_full_roundtrip"] for f in facts())
+
+
+def test_buffers_stay_whole_and_frozen_parameters_get_no_gradient():
+    for f in facts():
+        assert f["buffer_whole"] and f["frozen_sharded"] and f["frozen_grad_none"]
+        assert f["small_forward_equal"] and f["small_grad_is_mean"]
+
+
+def test_sharding_a_model_without_parameters_is_a_no_op(fake_pg):
+    model = nn.ReLU()
+    assert z3.shard(model) is model
+
+
+@pytest.mark.parametrize("shape", [(3,), (7, 5), (1, 2, 3)])
+def test_layout_math_matches_torch_chunk(shape):
+    from zero3_compile.layout import ShardLayout
+
+    for world in (1, 2, 3, 4, 8):
+        layout = ShardLayout(shape, world)
+        chunks = torch.chunk(torch.empty(shape), world)
+        for rank in range(world):
+            rows = chunks[rank].shape[0] if rank < len(chunks) else 0
+            assert layout.local_rows(rank) == rows
+        assert layout.padded_numel * world >= layout.full_numel
