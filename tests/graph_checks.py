@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch.fx as fx
 
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
@@ -65,4 +67,53 @@ def analyze(records: list[GraphRecord]) -> dict:
         if record.kind == "forward":
             entry["saved_gathered"] += saved_gathered_parameters(record)
             entry["saved"] += len(record.saved)
+        if record.source_code is not None:
+            entry.setdefault("inductor_gathers", []).extend(
+                inductor_gather_report(record.source_code)
+            )
     return out
+
+
+_KERNEL = re.compile(
+    r"^\s*(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+)"
+)
+_ALL_GATHER_CALL = re.compile(
+    r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("
+)
+
+
+def inductor_gather_report(source_code: str) -> list[dict]:
+    """For each all-gather in Inductor's generated code: does compute run between its issue and
+    its wait (overlap), and is its buffer deleted or reused right after its last read?"""
+    body = source_code.split("def call(self, args):", 1)[1].splitlines()
+    report = []
+    for i, line in enumerate(body):
+        match = _ALL_GATHER_CALL.match(line)
+        if not match:
+            continue
+        buf = match.group(1)
+        name = re.compile(rf"\b{buf}\b")
+        wait = next(
+            j for j in range(i + 1, len(body)) if "wait_tensor" in body[j] and name.search(body[j])
+        )
+        freed = next(
+            (j for j in range(wait + 1, len(body)) if re.search(rf"\bdel {buf}\b", body[j])), None
+        )
+        reads = [
+            j
+            for j in range(wait + 1, freed if freed is not None else len(body))
+            if name.search(body[j]) and "assert_" not in body[j]
+        ]
+        last_read = max(reads, default=wait)
+        between = [
+            j for j in range(last_read + 1, freed or last_read + 1) if _KERNEL.match(body[j])
+        ]
+        report.append(
+            {
+                "buffer": buf,
+                "overlapped": any(_KERNEL.match(body[j]) for j in range(i + 1, wait)),
+                "freed": freed is not None,
+                "kernels_between_last_read_and_free": len(between),
+            }
+        )
+    return report

@@ -19,6 +19,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 20  # not divisible by 3: uneven shards at world size 3
     bias: bool = True
+    tie_embeddings: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,7 +78,8 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
 
     @staticmethod

@@ -10,6 +10,14 @@ from .training import run_jobs
 EAGER = {"codegen": "eager"}
 INDUCTOR = {"codegen": "inductor"}
 
+# scheduling options that change the graphs; each must train exactly like eager
+OPTION_COMBOS = [
+    {"prefetch_depth": 0},
+    {"prefetch_depth": 2, "reduce_scatter_depth": 2, "bucket_mb": 0.002},
+    {"bucket_mb": 0.0005},  # about one parameter per collective
+    {"prefetch_depth": 3, "max_inflight_bytes": 8192, "bucket_mb": 0.004},
+]
+
 # (model, optimizer, options, tag, train_pair kwargs); one process group per world and codegen
 EAGER_JOBS = {
     1: [("gpt", "sgd", EAGER, "c", {}), ("mlp", "sgd", EAGER, "c", {})],
@@ -19,6 +27,10 @@ EAGER_JOBS = {
         ("mlp", "sgd", EAGER, "c", {}),
         ("gpt", "adamw", EAGER, "c", {}),
         ("gpt_graph_break", "sgd", EAGER, "c", {}),
+        *[
+            ("gpt", "sgd", {**EAGER, **combo}, f"option{i}", {})
+            for i, combo in enumerate(OPTION_COMBOS)
+        ],
     ],
     3: [
         ("gpt", "sgd", EAGER, "c", {}),
@@ -34,11 +46,12 @@ EAGER_JOBS = {
 }
 INDUCTOR_JOBS = {
     2: [
-        ("gpt", "sgd", INDUCTOR, "c", {"analyze_graphs": True}),
+        ("gpt", "sgd", INDUCTOR, "c", {"analyze_graphs": True, "profile_step": True}),
         ("gpt", "adamw", INDUCTOR, "c", {}),
         ("mlp", "sgd", INDUCTOR, "c", {}),
+        ("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[1]}, "option1", {}),
     ],
-    3: [("gpt", "sgd", INDUCTOR, "c", {})],
+    3: [("gpt", "sgd", {**INDUCTOR, **OPTION_COMBOS[2]}, "option2", {})],
 }
 
 

@@ -73,6 +73,7 @@ def train_pair(
     steps: int = 5,
     check_inference: bool = False,
     analyze_graphs: bool = False,
+    profile_step: bool = False,
 ) -> dict[str, Any]:
     """Train zero3 (each rank its slice of the batch) and the reference (whole batch) in lockstep.
 
@@ -82,13 +83,17 @@ def train_pair(
     """
     with contextlib.ExitStack() as stack:
         records = stack.enter_context(record_graphs()) if analyze_graphs else None
-        out = _train_pair(rank, world_size, model_name, optimizer, options, steps, check_inference)
+        out = _train_pair(
+            rank, world_size, model_name, optimizer, options, steps, check_inference, profile_step
+        )
     if records is not None:
         out["graphs"] = analyze(records)
     return out
 
 
-def _train_pair(rank, world_size, model_name, optimizer, options, steps, check_inference):
+def _train_pair(
+    rank, world_size, model_name, optimizer, options, steps, check_inference, profile_step
+):
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     z3.shard(model)
@@ -139,6 +144,19 @@ def _train_pair(rank, world_size, model_name, optimizer, options, steps, check_i
         out["ref_losses"].append(ref_loss.item())
     out["params"] = z3.full_state_dict(model)
     out["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    if profile_step:
+        # one more forward + backward under the profiler: the collectives gloo really ran
+        from torch.profiler import ProfilerActivity, profile
+
+        inputs, targets = make_batch(world_size * PER_RANK_BATCH, seed=0)
+        mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss_fn(step_model, (inputs[mine], targets[mine])).backward()
+        opt.zero_grad()
+        names = [e.name for e in prof.events()]
+        out["profiled"] = {
+            name: names.count(name) for name in set(names) if name.startswith("gloo:")
+        }
     if check_inference:
         inputs, _ = make_batch(world_size * PER_RANK_BATCH, seed=99)
         mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
