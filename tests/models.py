@@ -90,6 +90,10 @@ class GPT(nn.Module):
                 nn.init.normal_(module.bias, mean=0.0, std=0.1)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.2)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.shape[1]

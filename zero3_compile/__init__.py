@@ -7,11 +7,25 @@ cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_co
 from . import ops as _ops  # noqa: F401  (registers the zero3:: operators)
 from .backend import register as _register
 from .backend import zero3_backend
+from .checkpoint import load_checkpoint, save_checkpoint
+from .init import materialize
+from .mixed_precision import MixedPrecision
 from .options import Options
 from .shard import shard
-from .state_dict import full_state_dict, load_full_state_dict
+from .state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
 
 _register()
 
-__all__ = ["Options", "full_state_dict", "load_full_state_dict", "shard", "zero3_backend"]
+__all__ = [
+    "MixedPrecision",
+    "Options",
+    "full_state_dict",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "materialize",
+    "save_checkpoint",
+    "save_full_state_dict",
+    "shard",
+    "zero3_backend",
+]
 __version__ = "0.1.0"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .graph_utils import output_node
@@ -48,3 +50,33 @@ def record_graphs() -> Iterator[list[GraphRecord]]:
 def _record(record: GraphRecord) -> None:
     for records in _recorders:
         records.append(record)
+
+
+def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int, Any]:
+    """Run ``fn()`` and return (peak bytes allocated above the start, fn's result).
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU has no allocator statistics, so the profiler's
+    memory timeline (every tensor allocation and free, allocator-level) is replayed instead.
+    """
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, result
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        result = fn()
+    current = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            current += size
+        elif action == Action.DESTROY:
+            current -= size
+        peak = max(peak, current)
+    return peak, result

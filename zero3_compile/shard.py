@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .compat import mesh_from_group
+from .compat import group_backend, mesh_from_group
+from .mixed_precision import MixedPrecision, install_hooks
 
 log = logging.getLogger(__name__)
 
@@ -130,22 +131,26 @@ def shard(
     group: dist.ProcessGroup | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    mp_policy: MixedPrecision | None = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place along dim 0 over ``group``; return ``module``.
 
-    param_dtype: dtype the parameters are gathered and computed in (mixed precision); the
-        shards, gradients and optimizer state stay in the parameters' own dtype.
-    reduce_dtype: dtype gradients are reduce-scattered in (default: param_dtype).
+    param_dtype, reduce_dtype: mixed precision shorthand for
+        ``mp_policy=MixedPrecision(param_dtype, reduce_dtype)`` (see ``MixedPrecision``).
+    device: where shards of a model built on the ``meta`` device will live once
+        ``zero3_compile.materialize(model)`` allocates them (default: the current CUDA device with
+        NCCL, else CPU). Ignored for a model with real parameters.
     """
+    policy = _policy(param_dtype, reduce_dtype, mp_policy)
     _check_can_shard(module)
     group = group if group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    group_name = group.group_name
     named = list(module.named_parameters(remove_duplicate=False))
     if not named:
         return module
-    device = named[0][1].device
+    device = _shard_device(named[0][1].device, device, group)
     mesh = mesh_from_group(group, device.type)
 
     sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> sharded parameter
@@ -158,10 +163,10 @@ def shard(
             spec = ParamSpec(
                 name=name,
                 full_shape=tuple(param.shape),
-                group_name=group_name,
+                group_name=group.group_name,
                 world_size=world_size,
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
+                param_dtype=policy.param_dtype,
+                reduce_dtype=policy.reduce_dtype,
             )
             new = _shard_parameter(param, spec, mesh, rank)
             sharded[id(param)] = new
@@ -170,6 +175,7 @@ def shard(
         owners.setdefault(owner, {})[attr] = _SPECS[new]
     for owner, specs in owners.items():
         _swap_class(owner, specs)
+    install_hooks(module, policy)
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",
         rank,
@@ -178,6 +184,27 @@ def shard(
         world_size,
     )
     return module
+
+
+def _policy(param_dtype, reduce_dtype, mp_policy: MixedPrecision | None) -> MixedPrecision:
+    if mp_policy is not None and (param_dtype is not None or reduce_dtype is not None):
+        raise ValueError(
+            "zero3: pass either mp_policy=MixedPrecision(...) or param_dtype/reduce_dtype, not both"
+        )
+    policy = mp_policy or MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy.validate()
+    return policy
+
+
+def _shard_device(param_device: torch.device, requested, group) -> torch.device:
+    """The device shards live on: the parameters', or for meta parameters the requested one."""
+    if param_device.type != "meta":
+        return param_device
+    if requested is not None:
+        return torch.device(requested)
+    if group_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _shard_parameter(param: nn.Parameter, spec: ParamSpec, mesh, rank: int) -> nn.Parameter:

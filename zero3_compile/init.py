@@ -1,0 +1,128 @@
+"""Initialise a model built on the ``meta`` device after sharding, one module at a time.
+
+```python
+with torch.device("meta"):
+    model = Transformer(config)          # no memory
+z3.shard(model)                          # shards are meta too
+z3.materialize(model, init_fn=model._init_weights)
+```
+Each module's parameters are created full-size, initialised by ``init_fn(module)`` (default:
+``module.reset_parameters()``), and only this rank's chunk is kept; no rank ever holds more than
+its shards plus the parameters of one module. Modules are visited in ``model.apply`` order, so
+with the same seed the values equal the unsharded model's after
+``model.to_empty(device=...); model.apply(init_fn)`` (or ``reset_parameters()`` in that order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .shard import _SPECS, is_sharded, spec_of
+
+
+def materialize(
+    model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
+    """Allocate and initialise the shards of a sharded model built on ``meta``; return it."""
+    _apply_post_order(model, lambda module: _materialize_module(module, init_fn))
+    for name, buffer in list(model.named_buffers()):
+        if buffer.device.type == "meta":
+            raise ValueError(
+                f"zero3: buffer {name!r} is still on the meta device; initialise buffers yourself "
+                "(e.g. in init_fn, or register them as non-persistent and recompute them)"
+            )
+    return model
+
+
+def _apply_post_order(module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+    for child in module.children():  # the order nn.Module.apply uses
+        _apply_post_order(child, fn)
+    fn(module)
+
+
+def _materialize_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
+    own = {
+        name: param
+        for name, param in module._parameters.items()
+        if param is not None and is_sharded(param)
+    }
+    if not own:
+        if init_fn is not None:
+            init_fn(module)
+        return
+    swapped_class = type(module)
+    base = getattr(swapped_class, "_zero3_base_class", swapped_class)
+    device = _target_device(own.values())
+    full = {
+        name: nn.Parameter(
+            torch.empty(spec_of(p).full_shape, dtype=p.dtype, device=device),
+            requires_grad=p.requires_grad,
+        )
+        for name, p in own.items()
+    }
+    # run the initialiser on a plain module holding full-size parameters
+    module.__class__ = base
+    module._parameters.update(full)
+    try:
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                raise ValueError(
+                    f"zero3: {base.__name__} has parameters but no reset_parameters(); pass "
+                    "init_fn to zero3_compile.materialize"
+                )
+    finally:
+        values = {name: module._parameters[name].detach() for name in own}
+        module._parameters.update(own)
+        module.__class__ = swapped_class
+    for name, param in own.items():
+        _keep_local_chunk(param, values[name], device)
+
+
+def _target_device(params) -> torch.device:
+    meshes = {p.device_mesh.device_type for p in params}
+    device_type = meshes.pop()
+    return (
+        torch.device(device_type, torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device(device_type)
+    )
+
+
+@torch.no_grad()
+def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.device) -> None:
+    """Store this rank's dim-0 chunk of ``full`` as ``param``'s shard (same Parameter object)."""
+    mesh = param.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    chunks = torch.chunk(full, world, dim=0)
+    local = (
+        chunks[rank].clone(memory_format=torch.contiguous_format)
+        if rank < len(chunks)
+        else full.new_empty((0, *full.shape[1:]))
+    )
+    if param.to_local().device.type == "meta":
+        real = nn.Parameter(
+            DTensor.from_local(
+                local,
+                mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            ),
+            requires_grad=param.requires_grad,
+        )
+        spec = _SPECS.pop(param)  # swap_tensors refuses tensors that weak references point to
+        try:
+            torch.utils.swap_tensors(param, real)
+        finally:
+            _SPECS[param] = spec
+    else:
+        param.to_local().copy_(local)
