@@ -5,6 +5,7 @@ cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_co
 """
 
 from . import ops as _ops  # noqa: F401  (registers the zero3:: operators)
+from .accumulation import set_requires_gradient_sync
 from .backend import register as _register
 from .backend import zero3_backend
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -25,6 +26,7 @@ __all__ = [
     "materialize",
     "save_checkpoint",
     "save_full_state_dict",
+    "set_requires_gradient_sync",
     "shard",
     "zero3_backend",
 ]

@@ -30,11 +30,16 @@ def unshard(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     name: str,
+    grad_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's dim-0 chunk) into the full parameter.
 
     The cast to ``param_dtype`` happens on the shard, before the collective, so mixed
     precision halves the bytes on the wire.
+
+    Gradient accumulation without synchronisation (``set_requires_gradient_sync(model, False)``)
+    passes ``grad_sink``: a full-shape leaf that receives the full, unreduced gradient instead of
+    the shard, so backward issues no collective (see ``accumulation.py``).
     """
     layout = ShardLayout(tuple(full_shape), world_size)
     x = shard if param_dtype is None else shard.to(param_dtype)
@@ -48,7 +53,16 @@ def unshard(
 
 
 @unshard.register_fake
-def _unshard_fake(shard, full_shape, group_name, world_size, param_dtype, reduce_dtype, name):
+def _unshard_fake(
+    shard,
+    full_shape,
+    group_name,
+    world_size,
+    param_dtype,
+    reduce_dtype,
+    name,
+    grad_sink=None,
+):
     dtype = shard.dtype if param_dtype is None else param_dtype
     return shard.new_empty(tuple(full_shape), dtype=dtype)
 
@@ -86,16 +100,20 @@ def _reduce_grad_fake(grad, shard_shape, group_name, world_size, reduce_dtype, s
 
 
 def _setup_context(ctx, inputs, output):
-    shard, _full_shape, group_name, world_size, _param_dtype, reduce_dtype, name = inputs
+    shard, _full_shape, group_name, world_size, _param_dtype, reduce_dtype, name = inputs[:7]
+    grad_sink = inputs[7]
     ctx.args = (list(shard.shape), group_name, world_size, reduce_dtype, shard.dtype, name)
+    ctx.sink_dtype = None if grad_sink is None else grad_sink.dtype
 
 
 def _backward(ctx, grad):
     shard_shape, group_name, world_size, reduce_dtype, shard_dtype, name = ctx.args
+    if ctx.sink_dtype is not None:  # accumulating without synchronisation: no collective
+        return None, None, None, None, None, None, None, grad.to(ctx.sink_dtype)
     shard_grad = torch.ops.zero3.reduce_grad(
         grad, shard_shape, group_name, world_size, reduce_dtype, shard_dtype, name
     )
-    return shard_grad, None, None, None, None, None, None
+    return shard_grad, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_backward, setup_context=_setup_context)
@@ -114,6 +132,7 @@ class UnshardCall(NamedTuple):
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     name: str
+    grad_sink: Any = None
 
     @classmethod
     def of(cls, node) -> UnshardCall:

@@ -54,13 +54,19 @@ def _make_getter(attr: str, spec: ParamSpec):
 
     The getter is generated with the spec's values as literals: read from a closure or an
     attribute, dynamo would treat the shape integers as inputs, and on a recompile mark them
-    dynamic (symbolic full shapes); literals are constants of the code.
+    dynamic (symbolic full shapes); literals are constants of the code. While gradient sync is
+    off (``set_requires_gradient_sync``) the full gradient goes to the parameter's sink instead.
     """
+    args = (
+        f"{list(spec.full_shape)!r}, {spec.group_name!r}, {spec.world_size}, "
+        f"{_literal(spec.param_dtype)}, {_literal(spec.reduce_dtype)}, {spec.name!r}"
+    )
     source = (
         "def get_full_parameter(self):\n"
-        f"    return torch.ops.zero3.unshard(self._parameters[{attr!r}].to_local(), "
-        f"{list(spec.full_shape)!r}, {spec.group_name!r}, {spec.world_size}, "
-        f"{_literal(spec.param_dtype)}, {_literal(spec.reduce_dtype)}, {spec.name!r})\n"
+        f"    shard = self._parameters[{attr!r}].to_local()\n"
+        "    if self._zero3_sync:\n"
+        f"        return torch.ops.zero3.unshard(shard, {args})\n"
+        f"    return torch.ops.zero3.unshard(shard, {args}, self._zero3_sinks[{attr!r}])\n"
     )
     namespace = {"torch": torch}
     exec(compile(source, f"<zero3 parameter {spec.name}>", "exec"), namespace)
@@ -78,6 +84,8 @@ def _swap_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
     if cls is None:
         attrs = {attr: property(_make_getter(attr, spec)) for attr, spec in specs.items()}
         attrs["_zero3_base_class"] = base
+        attrs["_zero3_sync"] = True  # see accumulation.set_requires_gradient_sync
+        attrs["_zero3_sinks"] = None
         attrs["__module__"] = base.__module__
         cls = type(f"Zero3{base.__name__}", (base,), attrs)
         _CLASS_CACHE[key] = cls
