@@ -29,9 +29,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from .debug import GraphRecord, _record
 from .fingerprint import check_generated_order, check_same_on_all_ranks
-from .graph_utils import output_node
-from .meta import NUM_USER_OUTPUTS, PARAM_DERIVED
-from .ops import UNSHARD
+from .graph_utils import output_node, root_placeholder
+from .meta import NUM_USER_OUTPUTS
+from .ops import UNSHARD, UnshardCall
 from .options import Options
 from .passes.verify import ScheduleError
 from .pipeline import run_pipeline
@@ -101,9 +101,33 @@ class Zero3Partitioner(CustomPartitionerFn):
 
 
 def _check_no_gathered_saved(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
-    outputs = output_node(fw_module.graph).args[0]
+    """Fail if a saved tensor is computed from gathered parameters (and constants) alone.
+
+    Structural on purpose: it does not trust the tags, which Inductor's joint-graph passes may
+    drop when they rewrite a node.
+    """
+    graph = fw_module.graph
+    shards = {root_placeholder(UnshardCall.of(n).shard) for n in graph.nodes if n.target is UNSHARD}
+    kind: dict[fx.Node, str] = {}  # "shard", "input", "param" (param-only), "const" or "other"
+    for node in graph.nodes:
+        inputs = {kind[i] for i in node.all_input_nodes}
+        if node.op == "placeholder":
+            kind[node] = "shard" if node in shards else "input"
+        elif node.target is UNSHARD:
+            kind[node] = "param"
+        elif node.op == "call_function" and inputs <= {"const"}:
+            kind[node] = "const"
+        elif (
+            node.op == "call_function"
+            and "param" in inputs
+            and inputs <= {"param", "const", "shard"}
+        ):
+            kind[node] = "param"
+        else:
+            kind[node] = "other"
+    outputs = output_node(graph).args[0]
     saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
-    gathered = [n.name for n in saved if n.target is UNSHARD or n.meta.get(PARAM_DERIVED)]
+    gathered = [n.name for n in saved if kind[n] == "param"]
     if gathered:
         raise ScheduleError(
             f"zero3: the partitioner saved gathered parameters for backward: {gathered}"

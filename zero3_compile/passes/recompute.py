@@ -21,9 +21,10 @@ def tag_recompute(gm: fx.GraphModule, plan: Plan) -> None:
     """Tag every gather marker and everything computed from gathered parameters alone.
 
     **Invariant** after: each ``unshard`` marker carries ``recompute=MUST_RECOMPUTE`` (or
-    ``MUST_SAVE`` with ``reshard_after_forward=False``), and each node whose tensor inputs are all
-    such nodes (``t(w)``, ``w.to(bf16)``, views) carries ``MUST_RECOMPUTE``. The min-cut
-    partitioner then saves only the shards and activations; backward gathers again.
+    ``MUST_SAVE`` with ``reshard_after_forward=False``), and each node computed from such nodes
+    and constants alone (``t(w)``, ``w.to(bf16)``, views, ``embedding(w_pos, arange(n))``) carries
+    ``MUST_RECOMPUTE``, as do those constants. The min-cut partitioner then saves only the shards
+    and activations; backward gathers again.
 
     ```
     joint graph:                       forward saves:    backward recomputes:
@@ -38,19 +39,35 @@ def tag_recompute(gm: fx.GraphModule, plan: Plan) -> None:
         else CheckpointPolicy.MUST_SAVE
     )
     derived: set[fx.Node] = set()
+    constant: set[fx.Node] = set()  # computed from nothing (arange, ones, full, ...)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is UNSHARD:
             _tag(node, gather_policy)
             derived.add(node)
-        elif (
-            _recomputable(node)
-            and node.all_input_nodes
-            and all(inp in derived for inp in node.all_input_nodes)
-        ):
+            continue
+        if not _recomputable(node):
+            continue
+        inputs = node.all_input_nodes
+        if all(inp in constant for inp in inputs):
+            constant.add(node)
+        elif all(inp in derived or inp in constant for inp in inputs):
+            # e.g. t(w), w.to(bf16), embedding(w_pos, arange(seq)): a function of parameters
             _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
             derived.add(node)
+            for inp in inputs:
+                if inp in constant:
+                    _tag_constant(inp)
+
+
+def _tag_constant(node: fx.Node) -> None:
+    """Constants feeding recomputed nodes are recomputed too (they cost nothing to rebuild)."""
+    if node.meta.get("recompute") is None:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = AC_GRAPH_ID
+        for inp in node.all_input_nodes:
+            _tag_constant(inp)
 
 
 def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
