@@ -10,16 +10,20 @@ from .backend import register as _register
 from .backend import zero3_backend
 from .checkpoint import load_checkpoint, save_checkpoint
 from .init import materialize
+from .inspect import explain
+from .inspect.session import install_from_env as _install_inspection
 from .mixed_precision import MixedPrecision
 from .options import Options
 from .shard import shard
 from .state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
 
 _register()
+_install_inspection()
 
 __all__ = [
     "MixedPrecision",
     "Options",
+    "explain",
     "full_state_dict",
     "load_checkpoint",
     "load_full_state_dict",

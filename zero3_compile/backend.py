@@ -28,13 +28,14 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from .debug import GraphRecord, _record
-from .fingerprint import check_generated_order, check_same_on_all_ranks
+from .fingerprint import check_generated_order, check_same_on_all_ranks, collective_signature
 from .graph_utils import output_node, root_placeholder
+from .inspect.report import build_report
 from .meta import NUM_USER_OUTPUTS
 from .ops import UNSHARD, UnshardCall
 from .options import Options
 from .passes.verify import ScheduleError
-from .pipeline import run_pipeline
+from .pipeline import Dumper, run_pipeline
 from .plan import Plan
 from .shard import is_sharded
 
@@ -154,7 +155,20 @@ def _schedule(gm: fx.GraphModule, plan: Plan) -> GraphRecord:
     check_same_on_all_ranks(gm.graph, label, plan.options.sync_timeout_s)
     record = GraphRecord(kind=plan.graph_kind, graph_id=graph_id, gm=gm)
     _record(record)
+    Dumper(plan, graph_id, dist.get_rank()).write_text(
+        "report.json", lambda: build_report(record).to_json()
+    )
+    log.info("[rank %d] zero3: %s", dist.get_rank(), _summary(gm, label))
     return record
+
+
+def _summary(gm: fx.GraphModule, label: str) -> str:
+    signature = collective_signature(gm.graph)
+    counts: dict[str, int] = {}
+    for kind, *_ in signature:
+        counts[kind] = counts.get(kind, 0) + 1
+    described = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no collectives"
+    return f"{label}: {described}"
 
 
 def _graph_kind(kwargs: dict[str, Any]) -> str:

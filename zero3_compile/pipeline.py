@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
+from torch._logging import trace_structured
 
 from .passes import (
     assign_buckets,
@@ -55,7 +56,7 @@ def run_pipeline(
     passes = passes_for(plan.graph_kind) if passes is None else passes
     graph_id = next(_graph_ids) if graph_id is None else graph_id
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dump = _Dumper(plan, graph_id, rank)
+    dump = Dumper(plan, graph_id, rank)
     dump.write("00_input", gm)
     for step, graph_pass in enumerate(passes, start=1):
         before = _op_counts(gm.graph)
@@ -94,9 +95,13 @@ def _diff(before: Counter, after: Counter) -> str:
     return ", ".join(changes) or "unchanged"
 
 
-class _Dumper:
+class Dumper:
+    """Every graph before and after every pass: ``trace_structured`` artifacts (tlparse), and
+    readable files under ``dump_dir`` (or ``$ZERO3_DUMP_DIR``) when set."""
+
     def __init__(self, plan: Plan, graph_id: int, rank: int):
         root = plan.options.dump_dir or os.environ.get("ZERO3_DUMP_DIR")
+        self.label = f"zero3_graph{graph_id:03d}_{plan.graph_kind}"
         self.folder = (
             os.path.join(root, f"rank{rank}", f"graph{graph_id:03d}_{plan.graph_kind}")
             if root
@@ -104,8 +109,25 @@ class _Dumper:
         )
 
     def write(self, name: str, gm: fx.GraphModule) -> None:
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"{self.label}_{name}", "encoding": "string"},
+            payload_fn=lambda: gm.print_readable(print_output=False),
+        )
         if self.folder is None:
             return
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, f"{name}.py"), "w") as f:
             f.write(gm.print_readable(print_output=False))
+
+    def write_text(self, name: str, text: Callable[[], str]) -> None:
+        """Like ``write`` for text made by ``text()``, called only if something will be written."""
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"{self.label}_{name}", "encoding": "string"},
+            payload_fn=text,
+        )
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(os.path.join(self.folder, name), "w") as f:
+                f.write(text())

@@ -1,0 +1,13 @@
+"""See what the compiler did: per-graph reports, pictures, a command line.
+
+report = zero3_compile.explain(model, example_input)      # compiles, does not train
+print(report)                                             # a readable table per graph
+report.save("zero3_report")                               # report.txt, .json, pictures
+
+python -m zero3_compile.inspect train.py --world 2        # run a script, report its graphs
+"""
+
+from .explain import ExplainReport, explain
+from .report import GatherInfo, GraphReport, ReduceInfo, build_report
+
+__all__ = ["ExplainReport", "GatherInfo", "GraphReport", "ReduceInfo", "build_report", "explain"]

@@ -1,0 +1,131 @@
+"""``explain``: compile a model with the zero3 backend and report what was done to every graph."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..debug import record_graphs
+from ..shard import _SPECS
+from .report import GraphReport, build_report, step_peak_bytes
+
+
+@dataclass
+class ExplainReport:
+    """One ``GraphReport`` per compiled graph (forward, backward, inference), in compile order."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    def by_kind(self, kind: str) -> list[GraphReport]:
+        return [g for g in self.graphs if g.kind == kind]
+
+    @property
+    def estimated_step_peak_bytes(self) -> int:
+        """Peak memory of one training step above what is allocated before it (params, inputs)."""
+        forwards, backwards = self.by_kind("forward"), self.by_kind("backward")
+        if not forwards:
+            return max((g.peak_bytes for g in self.graphs), default=0)
+        return max(
+            step_peak_bytes(f, b) for f, b in zip(forwards, backwards + [None] * len(forwards))
+        )
+
+    @property
+    def communication_bytes(self) -> dict[str, int]:
+        """Logical bytes per step by collective kind (all-gather output, reduce-scatter input)."""
+        totals: dict[str, int] = {}
+        for graph in self.graphs:
+            for kind, stats in graph.collectives.items():
+                totals[kind] = totals.get(kind, 0) + stats["bytes"]
+        return totals
+
+    def __str__(self) -> str:
+        mib = 2**20
+        header = (
+            f"zero3 explain: {len(self.graphs)} graph(s); estimated step peak "
+            f"{self.estimated_step_peak_bytes / mib:.2f} MiB above the persistent state; "
+            + ", ".join(
+                f"{k} {v / mib:.3f} MiB" for k, v in sorted(self.communication_bytes.items())
+            )
+        )
+        return "\n".join([header, *(str(g) for g in self.graphs)])
+
+    def to_dict(self) -> dict:
+        return {
+            "estimated_step_peak_bytes": self.estimated_step_peak_bytes,
+            "communication_bytes": self.communication_bytes,
+            "graphs": [g.to_dict() for g in self.graphs],
+        }
+
+    def save(self, folder: str, pictures: bool = True) -> list[str]:
+        """Write report.txt, report.json and (with matplotlib) one picture per graph."""
+        os.makedirs(folder, exist_ok=True)
+        written = [os.path.join(folder, "report.txt"), os.path.join(folder, "report.json")]
+        with open(written[0], "w") as f:
+            f.write(str(self) + "\n")
+        with open(written[1], "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        if pictures:
+            from .plot import plot_graph
+
+            for graph in self.graphs:
+                path = os.path.join(folder, f"graph{graph.graph_id:03d}_{graph.kind}.png")
+                if plot_graph(graph, path):
+                    written.append(path)
+        return written
+
+
+def explain(
+    model: nn.Module,
+    *args: Any,
+    loss_fn=None,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> ExplainReport:
+    """Compile ``model`` on the example inputs and return a report of every graph; no training.
+
+    ``model`` is a sharded module, ``torch.compile(model, backend="zero3", options=...)`` (whose
+    options are reused unless ``options`` is given), or a function (compiled or not) that runs one. One forward runs, and a backward of
+    ``loss_fn(output)`` (default: the sum of the floating-point outputs) when the output requires
+    grad; the parameters' gradients are restored afterwards. Every rank must call it.
+    """
+    from ..backend import zero3_backend
+
+    base = getattr(model, "_orig_mod", None) or getattr(model, "_torchdynamo_orig_callable", model)
+    if options is None:
+        options = _options_of(model)
+    # a new backend object: dynamo compiles fresh graphs instead of reusing the model's cache
+    backend = functools.partial(zero3_backend, options=options)
+    compiled = torch.compile(base, backend=backend)
+    grads = {p: p.grad for p in list(_SPECS.keys())}  # every sharded parameter, for any callable
+    try:
+        with record_graphs() as records:
+            output = compiled(*args, **kwargs)
+            loss = loss_fn(output) if loss_fn is not None else _sum_floating(output)
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+    finally:
+        for param, grad in grads.items():
+            param.grad = grad
+    return ExplainReport([build_report(r) for r in records])
+
+
+def _sum_floating(output) -> torch.Tensor | None:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    floating = [t.float().sum() for t in tensors if t.is_floating_point() and t.requires_grad]
+    return sum(floating) if floating else None
+
+
+def _options_of(model) -> dict[str, Any] | None:
+    """The ``options`` a ``torch.compile(..., backend="zero3", options=...)`` module was given."""
+    callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    wrapper = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
+        callback, "_torchdynamo_orig_callable", None
+    )
+    kwargs = getattr(wrapper, "kwargs", None)
+    return dict(kwargs["options"]) if isinstance(kwargs, dict) and "options" in kwargs else None

@@ -1,0 +1,253 @@
+"""What the compiler did to one graph, read from the scheduled graph: a ``GraphReport``."""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..compat import ALL_GATHER, REDUCE_SCATTER
+from ..debug import GraphRecord
+from ..meta import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
+from .memory import memory_timeline
+
+
+@dataclass
+class GatherInfo:
+    """One all-gather bucket. Positions are node indices in the scheduled graph."""
+
+    bucket: int
+    params: list[str]
+    bytes: int  # gathered (full, padded) bytes
+    issue: int  # the all_gather node
+    wait: int  # its wait_tensor
+    first_use: int  # first node reading the gathered parameters (after copy-out)
+    release: int  # last node reading them: the buffer is freed right after it
+    compute_ahead: int  # compute nodes between issue and wait: how much the gather can overlap
+    buckets_ahead: int = 0  # buckets first used while it is in flight: the prefetch distance
+
+
+@dataclass
+class ReduceInfo:
+    bucket: int
+    params: list[str]
+    bytes: int  # full (padded) gradient bytes reduced
+    ready: int  # the last gradient of the bucket is computed here
+    issue: int  # the reduce_scatter node
+    wait: int  # its wait_tensor
+    compute_overlapped: int  # compute nodes between issue and wait
+
+
+@dataclass
+class SavedTensor:
+    name: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+
+
+@dataclass
+class GraphReport:
+    kind: str
+    graph_id: int
+    num_nodes: int
+    gathers: list[GatherInfo] = field(default_factory=list)
+    reductions: list[ReduceInfo] = field(default_factory=list)
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> count, bytes
+    memory: list[int] = field(default_factory=list)  # bytes alive above the start, per node
+    peak_bytes: int = 0
+    peak_node: str = ""
+    end_bytes: int = 0  # bytes the graph created that outlive it (outputs, saved tensors)
+    saved: list[SavedTensor] = field(default_factory=list)
+    node_kinds: list[str] = field(default_factory=list)  # "compute" or a communication role
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def __str__(self) -> str:
+        mib = 2**20
+        lines = [
+            f"== {self.kind} graph {self.graph_id}: {self.num_nodes} nodes, "
+            f"estimated peak {self.peak_bytes / mib:.2f} MiB at {self.peak_node}",
+        ]
+        for kind, stats in sorted(self.collectives.items()):
+            lines.append(
+                f"   {kind}: {stats['count']} collective(s), {stats['bytes'] / mib:.3f} MiB"
+            )
+        if self.gathers:
+            lines.append(
+                "   all-gather  bucket  params  MiB      issue  wait  first use  release  ahead(nodes/buckets)"
+            )
+            for g in self.gathers:
+                lines.append(
+                    f"               {g.bucket:>5}  {len(g.params):>6}  {g.bytes / mib:7.3f}  {g.issue:>5}  "
+                    f"{g.wait:>4}  {g.first_use:>9}  {g.release:>7}  {g.compute_ahead:>5}/{g.buckets_ahead}"
+                    f"   {_names(g.params)}"
+                )
+        if self.reductions:
+            lines.append(
+                "   reduce-scatter  bucket  params  MiB      ready  issue  wait  overlapped nodes"
+            )
+            for r in self.reductions:
+                lines.append(
+                    f"                   {r.bucket:>5}  {len(r.params):>6}  {r.bytes / mib:7.3f}  {r.ready:>5}  "
+                    f"{r.issue:>5}  {r.wait:>4}  {r.compute_overlapped:>16}   {_names(r.params)}"
+                )
+        if self.kind == "forward":
+            total = sum(s.bytes for s in self.saved)
+            lines.append(f"   saved for backward: {len(self.saved)} tensors, {total / mib:.3f} MiB")
+        return "\n".join(lines)
+
+
+def _names(params: list[str], limit: int = 3) -> str:
+    shown = ", ".join(params[:limit])
+    return shown + (f", ... (+{len(params) - limit})" if len(params) > limit else "")
+
+
+def _nbytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _readers(start: fx.Node, stop_roles: tuple[str, ...] = ()) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Values computed from ``start`` alone (views, copy-outs), and the nodes reading them."""
+    derived, frontier, readers = {start}, [start], set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "output":
+                readers.add(user)
+                continue
+            alone = user.op == "call_function" and set(user.all_input_nodes) <= derived
+            if alone and user.meta.get(ROLE) not in stop_roles:
+                derived.add(user)
+                frontier.append(user)
+            else:
+                readers.add(user)
+    return derived, readers
+
+
+def build_report(record: GraphRecord) -> GraphReport:
+    """Everything a user wants to know about one scheduled graph."""
+    gm = record.gm
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    kinds = [n.meta.get(ROLE, "compute") if n.op == "call_function" else n.op for n in nodes]
+    compute = [k == "compute" and not _is_view(n) for k, n in zip(kinds, nodes)]
+    report = GraphReport(
+        kind=record.kind, graph_id=record.graph_id, num_nodes=len(nodes), node_kinds=kinds
+    )
+
+    for node in nodes:
+        if node.target is ALL_GATHER:
+            (wait,) = node.users
+            _, readers = _readers(wait)
+            uses = [pos[r] for r in readers if r.meta.get(ROLE) != ROLE_GATHER_COPY_OUT]
+            report.gathers.append(
+                GatherInfo(
+                    bucket=node.meta.get(BUCKET, -1),
+                    params=list(node.meta.get(PARAMS, ())),
+                    bytes=_nbytes(node.meta["val"]),
+                    issue=pos[node],
+                    wait=pos[wait],
+                    first_use=min(uses, default=pos[wait]),
+                    release=max(uses, default=pos[wait]),
+                    compute_ahead=sum(compute[pos[node] + 1 : pos[wait]]),
+                )
+            )
+        elif node.target is REDUCE_SCATTER:
+            (wait,) = node.users
+            grads = _gradient_sources(node)
+            report.reductions.append(
+                ReduceInfo(
+                    bucket=node.meta.get(BUCKET, -1),
+                    params=list(node.meta.get(PARAMS, ())),
+                    bytes=_nbytes(node.args[0].meta["val"]),
+                    ready=max((pos[g] for g in grads), default=pos[node]),
+                    issue=pos[node],
+                    wait=pos[wait],
+                    compute_overlapped=sum(compute[pos[node] + 1 : pos[wait]]),
+                )
+            )
+    for gather in report.gathers:
+        gather.buckets_ahead = sum(
+            1 for other in report.gathers if gather.issue < other.first_use < gather.wait
+        )
+    for name, items in (("all_gather", report.gathers), ("reduce_scatter", report.reductions)):
+        if items:
+            report.collectives[name] = {"count": len(items), "bytes": sum(i.bytes for i in items)}
+
+    timeline = memory_timeline(gm, inputs_die=record.kind == "backward")
+    report.memory = timeline.live_bytes
+    report.peak_bytes = timeline.peak_bytes
+    report.peak_node = timeline.peak_node
+    report.end_bytes = timeline.end_bytes
+    report.saved = [
+        SavedTensor(
+            n.name, list(n.meta["val"].shape), str(n.meta["val"].dtype), _nbytes(n.meta["val"])
+        )
+        for n in record.saved
+        if isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    return report
+
+
+def _gradient_sources(reduce_scatter: fx.Node) -> list[fx.Node]:
+    """The gradient nodes a reduce-scatter's copy-in reads (walking back over the copy-in)."""
+    sources, stack, seen = [], [reduce_scatter.args[0]], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.meta.get(ROLE) == ROLE_REDUCE_COPY_IN:
+            stack.extend(node.all_input_nodes)
+        else:
+            sources.append(node)
+    return sources
+
+
+_VIEW_TARGETS = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "permute",
+    "slice",
+    "select",
+    "expand",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+}
+
+
+def _is_view(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    return name in _VIEW_TARGETS or node.target is operator.getitem
+
+
+def step_peak_bytes(forward: GraphReport, backward: GraphReport | None) -> int:
+    """Estimated peak of one training step above the memory held before it.
+
+    Forward creates its intermediates, then keeps its outputs (loss, saved activations) alive;
+    backward starts from those and frees the saved ones as it consumes them.
+    """
+    if backward is None:
+        return forward.peak_bytes
+    return max(forward.peak_bytes, forward.end_bytes + backward.peak_bytes)
+
+
+__all__ = [
+    "GatherInfo",
+    "GraphReport",
+    "ReduceInfo",
+    "SavedTensor",
+    "build_report",
+    "step_peak_bytes",
+]

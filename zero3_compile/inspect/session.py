@@ -1,0 +1,40 @@
+"""Record every graph a process compiles and write the reports when it exits.
+
+Enabled by the environment variable ``ZERO3_INSPECT_DIR`` (set by ``python -m
+zero3_compile.inspect``): each rank writes ``$ZERO3_INSPECT_DIR/rank<r>/``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+
+from ..debug import _recorders
+
+log = logging.getLogger(__name__)
+
+ENV = "ZERO3_INSPECT_DIR"
+
+
+def install_from_env() -> None:
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+    records: list = []
+    _recorders.append(records)
+
+    def write() -> None:
+        from .explain import ExplainReport
+        from .report import build_report
+
+        if not records:
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        target = os.path.join(folder, f"rank{rank}")
+        try:
+            ExplainReport([build_report(r) for r in records]).save(target)
+        except Exception:  # never turn a finished training run into a failure
+            log.exception("zero3: could not write the inspection report to %s", target)
+
+    atexit.register(write)
