@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zero3_compile.debug import GraphRecord
+from zero3_compile.meta import PARAMS
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -64,6 +65,10 @@ def analyze(records: list[GraphRecord]) -> dict:
         )
         for kind, count in collective_counts(record.gm).items():
             entry[kind] += count
+        for node in record.gm.graph.nodes:
+            if node.target in (ALL_GATHER, REDUCE_SCATTER):
+                key = "gathered_params" if node.target is ALL_GATHER else "reduced_params"
+                entry.setdefault(key, []).extend(node.meta.get(PARAMS, ()))
         if record.kind == "forward":
             entry["saved_gathered"] += saved_gathered_parameters(record)
             entry["saved"] += len(record.saved)

@@ -42,6 +42,18 @@ def test_collectives_per_step_within_bucket_bound_in_graphs_and_profiler():
         assert run["profiled"].get("gloo:all_reduce", 0) == reduce_scatters
 
 
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_each_parameter_is_gathered_once_in_forward_and_reduced_once_in_backward(codegen):
+    """The tied embedding / head weight too: one gather per forward, one reduce per step."""
+    names = set(GPT().state_dict()) - {"lm_head.weight"}  # tied to transformer.wte.weight
+    for per_rank in results(2, codegen):
+        graphs = per_rank["gpt/sgd/c"]["graphs"]
+        gathered = graphs["forward"]["gathered_params"]
+        reduced = graphs["backward"]["reduced_params"]
+        assert sorted(gathered) == sorted(names)
+        assert sorted(reduced) == sorted(names)
+
+
 def test_inductor_code_overlaps_gathers_with_compute_and_frees_them_after_last_use():
     for per_rank in results(2, "inductor"):
         graphs = per_rank["gpt/sgd/c"]["graphs"]

@@ -34,6 +34,7 @@ from .inspect.report import build_report
 from .meta import NUM_USER_OUTPUTS
 from .ops import UNSHARD, UnshardCall
 from .options import Options
+from .passes import dedupe_gathers
 from .passes.verify import ScheduleError
 from .pipeline import Dumper, run_pipeline
 from .plan import Plan
@@ -55,6 +56,8 @@ def zero3_backend(
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)
     plan = Plan(options=opts)
+    dedupe_gathers(gm, plan.for_graph("joint"))  # before AOTAutograd traces one reduce per use
+    gm.recompile()
     if opts.codegen == "eager":
         if mode not in (None, "default"):
             log.warning("zero3: mode=%r only applies to codegen='inductor'; ignored", mode)

@@ -122,6 +122,11 @@ UNSHARD = torch.ops.zero3.unshard.default
 REDUCE_GRAD = torch.ops.zero3.reduce_grad.default
 
 
+def is_unshard(node) -> bool:
+    """An ``unshard`` marker: the overload (AOT graphs) or the packet (dynamo graphs)."""
+    return node.op == "call_function" and node.target in (UNSHARD, torch.ops.zero3.unshard)
+
+
 class UnshardCall(NamedTuple):
     """The arguments of an ``unshard`` marker node, by name."""
 

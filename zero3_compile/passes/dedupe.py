@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..graph_utils import VIEW_OPS, root_placeholder
-from ..ops import UNSHARD
+from ..graph_utils import VIEW_OPS
+from ..ops import is_unshard
 from ..plan import Plan
+
+_VIEW_METHODS = {"to_local", "view", "reshape"}
 
 
 def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
@@ -15,7 +17,9 @@ def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
     **Invariant** after: at most one marker per (shard, options) in the graph. A tied parameter
     (an embedding reused as the output head) or a module called twice is then gathered once,
     and autograd sums its gradient contributions before the single reduce-scatter, instead of
-    paying one collective per use in both directions.
+    paying one collective per use in both directions. Run on the dynamo graph, before
+    AOTAutograd traces the backward (which would otherwise hold one reduce per use), and again
+    on the joint graph.
 
     ```
     before:  s = view(primals_1)        after:  s = view(primals_1)
@@ -29,11 +33,11 @@ def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
     graph = gm.graph
     first: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not UNSHARD:
+        if not is_unshard(node):
             continue
         shard, *rest = node.args
-        source = root_placeholder(shard) or shard
-        key = (source, tuple(tuple(a) if isinstance(a, list) else a for a in rest))
+        rest += [node.kwargs[k] for k in sorted(node.kwargs)]
+        key = (_source(shard), tuple(tuple(a) if isinstance(a, list) else a for a in rest))
         kept = first.get(key)
         if kept is None:
             first[key] = node
@@ -44,8 +48,23 @@ def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
     graph.lint()
 
 
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in VIEW_OPS
+    # the dynamo graph reads a DTensor parameter's shard with a method call
+    return node.op == "call_method" and node.target in _VIEW_METHODS
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The placeholder ``node`` views (through views and ``DTensor.to_local``), or itself."""
+    current = node
+    while _is_view(current):
+        current = current.args[0]
+    return current if current.op == "placeholder" else node
+
+
 def _erase_dead_views(graph: fx.Graph, node: fx.Node) -> None:
-    while node.op == "call_function" and not node.users and node.target in VIEW_OPS:
+    while _is_view(node) and not node.users:
         source = node.args[0]
         graph.erase_node(node)
         node = source
