@@ -37,6 +37,7 @@ EAGER_JOBS = {
         ("mlp", "sgd", EAGER, "c", {}),
         ("mlp", "adamw", EAGER, "c", {}),
         ("gpt", "sgd", None, "uncompiled", {}),
+        ("gpt", "sgd", EAGER, "clip", {"clip_norm": 0.5}),
     ],
     4: [
         ("gpt", "sgd", EAGER, "c", {}),

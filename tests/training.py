@@ -74,6 +74,7 @@ def train_pair(
     check_inference: bool = False,
     analyze_graphs: bool = False,
     profile_step: bool = False,
+    clip_norm: float | None = None,
 ) -> dict[str, Any]:
     """Train zero3 (each rank its slice of the batch) and the reference (whole batch) in lockstep.
 
@@ -84,7 +85,15 @@ def train_pair(
     with contextlib.ExitStack() as stack:
         records = stack.enter_context(record_graphs()) if analyze_graphs else None
         out = _train_pair(
-            rank, world_size, model_name, optimizer, options, steps, check_inference, profile_step
+            rank,
+            world_size,
+            model_name,
+            optimizer,
+            options,
+            steps,
+            check_inference,
+            profile_step,
+            clip_norm,
         )
     if records is not None:
         out["graphs"] = analyze(records)
@@ -92,7 +101,15 @@ def train_pair(
 
 
 def _train_pair(
-    rank, world_size, model_name, optimizer, options, steps, check_inference, profile_step
+    rank,
+    world_size,
+    model_name,
+    optimizer,
+    options,
+    steps,
+    check_inference,
+    profile_step,
+    clip_norm,
 ):
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
@@ -111,6 +128,10 @@ def _train_pair(
         loss.backward()
         ref_loss = loss_fn(reference, (inputs, targets))
         ref_loss.backward()
+        if clip_norm is not None:  # torch's own clipping, on DTensor gradients
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm)
+            out.setdefault("norms", []).append((norm.full_tensor().item(), ref_norm.item()))
         if step == 0:
             params = dict(model.named_parameters())
             out["grads"] = {

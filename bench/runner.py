@@ -1,0 +1,135 @@
+"""What each rank of one contender runs: build, train, time, profile one step, report.
+
+Steps 0 .. warmup-1 are warm-up (step 0 includes compilation), the next ``steps`` are timed, and
+one more step runs under ``torch.profiler`` for the memory peak and the collectives. Every step's
+loss is kept: all contenders run the same number of steps on the same batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from . import comm
+from .contenders import CONTENDERS, Context, Trainer
+from .memory import (
+    StepMemoryProbe,
+    reset_rss_high_water,
+    rss_high_water_bytes,
+    storage_bytes,
+)
+from .models import PRESETS, build_model, global_batch, parameter_count, rank_slice
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    contender: str
+    preset: str
+    world: int  # data-parallel world size (the global batch is world * per-rank batch)
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo", "nccl" or "fake" (one process standing for rank 0 of ``world``)
+    warmup: int
+    steps: int
+    seed: int
+    threads: int
+
+
+def _device(spec: RunSpec, rank: int) -> torch.device:
+    if spec.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
+    """Entry point of one rank (``processes`` is 1 for ``single`` and for the fake group)."""
+    torch.set_num_threads(spec.threads)
+    contender = CONTENDERS[spec.contender]
+    preset = PRESETS[spec.preset]
+    device = _device(spec, rank)
+    world = spec.world if contender.distributed else 1
+    ctx = Context(rank, world, device, spec.backend, preset.per_rank_batch)
+    contender.init_process_group(ctx)
+    model = build_model(preset, spec.seed, device)
+    info = {"n_params": parameter_count(model), "param_bytes": storage_bytes(model.parameters())}
+
+    records_cm: Any = contextlib.nullcontext(None)
+    if contender.comm_source == "graphs":
+        from zero3_compile.debug import record_graphs
+
+        records_cm = record_graphs()
+    with records_cm as records:
+        start = time.perf_counter()
+        trainer = contender.setup(model, ctx)
+        info["setup_s"] = time.perf_counter() - start
+        result = _train(trainer, spec, ctx, rank if contender.distributed else None)
+    if records is not None:
+        result["comm_graphs"] = comm.summarize(comm.from_graphs(records), world)
+        result["n_graphs"] = {k: sum(r.kind == k for r in records) for k in ("forward", "backward")}
+    return {**info, **result, "rank": rank, "torch": torch.__version__, "threads": spec.threads}
+
+
+def _train(trainer: Trainer, spec: RunSpec, ctx: Context, data_rank: int | None) -> dict:
+    preset = PRESETS[spec.preset]
+    real_group = data_rank is not None and ctx.backend != "fake"
+
+    def batch(step: int):
+        full = global_batch(preset, spec.world, step, spec.seed)
+        if data_rank is not None:
+            full = rank_slice(full, data_rank, preset.per_rank_batch)
+        return full[0].to(ctx.device), full[1].to(ctx.device)
+
+    def sync() -> None:
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        if real_group:
+            dist.barrier()  # every rank starts the step together: no rank times another's lag
+
+    times, losses = [], []
+    rss_warmup, hwm_was_reset = None, False
+    for step in range(spec.warmup + spec.steps):
+        inputs = batch(step)
+        sync()
+        start = time.perf_counter()
+        loss = trainer.forward_backward(inputs)
+        trainer.optimizer_step()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        if step == spec.warmup - 1:
+            rss_warmup = rss_high_water_bytes()  # includes compilation
+            hwm_was_reset = reset_rss_high_water()
+    rss_steady = rss_high_water_bytes() if hwm_was_reset else None
+
+    probe = StepMemoryProbe(ctx.device, trainer.held_in_cpp_bytes())
+    inputs = batch(spec.warmup + spec.steps)
+    probe.start()  # before the barrier: its gc scan takes a different time on each rank
+    sync()
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,  # the collectives' tensor sizes
+        profile_memory=ctx.device.type == "cpu",
+    ) as prof:
+        loss = trainer.forward_backward(inputs)
+        state = trainer.state_bytes()
+        trainer.optimizer_step()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+    losses.append(loss.item())
+    return {
+        "times_s": times,
+        "losses": losses,
+        "state": state,
+        "memory": probe.finish(prof),
+        "rss_hwm_warmup": rss_warmup,
+        "rss_hwm_steady": rss_steady,
+        "comm_profile": comm.summarize(comm.from_profile(prof), ctx.world),
+    }
