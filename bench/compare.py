@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--world", type=int, default=2, help="data-parallel ranks")
-    parser.add_argument("--quick", action="store_true", help="small model, 2+10 steps")
+    parser.add_argument("--quick", action="store_true", help="small model, 2+20 steps")
     parser.add_argument("--model", choices=sorted(PRESETS), default="gpt-small")
     parser.add_argument("--warmup", type=int, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, help="timed steps after warm-up")
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.model = "quick"
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    args.steps = args.steps if args.steps is not None else (10 if args.quick else 20)
+    args.steps = args.steps if args.steps is not None else 20
     args.timeout = args.timeout or (600.0 if args.quick else 3600.0)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first warm-up step compiles)")

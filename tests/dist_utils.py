@@ -27,8 +27,7 @@ def _worker(fn, rank: int, world_size: int, port: int, results, args, env) -> No
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        TORCHINDUCTOR_COMPILE_THREADS="1",
-        **env,
+        **{"TORCHINDUCTOR_COMPILE_THREADS": "1", **env},
     )
     status, payload = "ok", None
     try:
@@ -139,3 +138,16 @@ def run_ranks(
 
 
 __all__ = ["free_port", "run_ranks"]
+
+
+def _each(rank: int, world_size: int, fn, arg_list: list[tuple]) -> list[Any]:
+    return [fn(rank, world_size, *args) for args in arg_list]
+
+
+def run_scenarios(
+    fn: Callable[..., Any], world_size: int, arg_list: list[tuple], timeout: float = 900.0
+) -> dict[tuple, list[Any]]:
+    """Run ``fn(rank, world_size, *args)`` for every ``args`` in one process group (processes
+    are expensive to start); returns {args: per-rank results}."""
+    per_rank = run_ranks(_each, world_size, fn, arg_list, timeout=timeout)
+    return {tuple(args): [ranks[i] for ranks in per_rank] for i, args in enumerate(arg_list)}

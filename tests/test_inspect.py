@@ -18,7 +18,7 @@ from zero3_compile.inspect import ExplainReport, build_report
 from .dist_utils import run_ranks
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
 
-CONFIG = GPTConfig(n_layer=4, n_embd=64, block_size=64, tie_embeddings=False)
+CONFIG = GPTConfig(n_layer=1, n_embd=64, block_size=64, tie_embeddings=False)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -13,7 +13,7 @@ import zero3_compile as z3
 from zero3_compile.debug import record_graphs
 from zero3_compile.fingerprint import collective_signature
 
-from .dist_utils import run_ranks
+from .dist_utils import run_scenarios
 from .training import PER_RANK_BATCH, build, rel_diff
 
 BF16 = torch.bfloat16
@@ -72,9 +72,16 @@ def _mp_worker(rank, world_size, model_name, codegen):
     }
 
 
+SCENARIOS = [("gpt", "eager"), ("mlp", "eager"), ("mlp", "inductor")]
+
+
 @functools.cache
+def _scenarios():
+    return run_scenarios(_mp_worker, 2, SCENARIOS)
+
+
 def results(model_name: str, codegen: str):
-    return run_ranks(_mp_worker, 2, model_name, codegen, timeout=600)
+    return _scenarios()[(model_name, codegen)]
 
 
 @pytest.mark.parametrize(

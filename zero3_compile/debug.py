@@ -55,8 +55,8 @@ def _record(record: GraphRecord) -> None:
 def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int, Any]:
     """Run ``fn()`` and return (peak bytes allocated above the start, fn's result).
 
-    CUDA: ``torch.cuda.max_memory_allocated``. CPU has no allocator statistics, so the profiler's
-    memory timeline (every tensor allocation and free, allocator-level) is replayed instead.
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU has no allocator statistics, so every
+    allocation and free the profiler records (allocator level, all threads) is replayed instead.
     """
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -65,18 +65,20 @@ def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int,
         result = fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start, result
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
+    allocations: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
     current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
+    for _, size in sorted(allocations):
+        current += size
         peak = max(peak, current)
     return peak, result

@@ -2,10 +2,12 @@
 
 Storages, not tensors, are what the allocator sees: a view (``view``, ``t``, ``slice``,
 ``wait_tensor`` returning its input) shares its input's storage. A storage lives from the node
-that creates it to the last node that reads any tensor on it, or to the end when it is a graph
-output. Storages of placeholders existed before the graph runs: they are not counted, but when
+that creates it to the last node that reads any tensor on it (for a collective's input: to the
+collective's wait, as the collective holds it until it completes), or to the end when it is a
+graph output. Storages of placeholders existed before the graph runs: they are not counted, but when
 ``inputs_die`` is set (a backward graph consumes its saved activations) they are subtracted once
-their last reader has run.
+their last reader has run. ``gloo_temporaries`` adds the temporaries gloo's collectives allocate
+(measured: an all-gather's output size, a reduce-scatter's input size).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..compat import ALL_GATHER, COLLECTIVES, WAIT
 
 
 @dataclass
@@ -33,7 +37,20 @@ def _tensors(val):
     return []
 
 
-def memory_timeline(gm: fx.GraphModule, *, inputs_die: bool = False) -> MemoryTimeline:
+def _nbytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _held_until(reader: fx.Node, position: dict[fx.Node, int]) -> int:
+    """A collective holds its input until it completes: until its wait, not its issue."""
+    if reader.target in COLLECTIVES:
+        return max((position[w] for w in reader.users if w.target is WAIT), default=position[reader])
+    return position[reader]
+
+
+def memory_timeline(
+    gm: fx.GraphModule, *, inputs_die: bool = False, gloo_temporaries: bool = False
+) -> MemoryTimeline:
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     end = len(nodes)
@@ -56,10 +73,20 @@ def memory_timeline(gm: fx.GraphModule, *, inputs_die: bool = False) -> MemoryTi
                 size[key] = storage.nbytes() if isinstance(storage.nbytes(), int) else 0
                 if node.op == "placeholder":
                     is_input.add(key)
-            readers = [position[u] for u in node.users if u.op != "output"]
+            readers = [_held_until(u, position) for u in node.users if u.op != "output"]
             dies = end if node in outputs else max(readers, default=position[node])
             last[key] = max(last.get(key, 0), dies)
     delta = [0] * (end + 1)
+    if gloo_temporaries:
+        # gloo all-gathers into a temporary of the output's size and reduce-scatters through an
+        # all-reduce of a copy of the input; both live until the collective completes
+        for node in nodes:
+            if node.target in COLLECTIVES:
+                source = node if node.target is ALL_GATHER else node.args[0]
+                temporary = _nbytes(source.meta.get("val"))
+                delta[position[node]] += temporary
+                wait = max((position[w] for w in node.users), default=position[node])
+                delta[wait + 1] -= temporary
     for key, start in first.items():
         if key in is_input:
             if inputs_die and last[key] < end:

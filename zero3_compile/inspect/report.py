@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
-from ..compat import ALL_GATHER, REDUCE_SCATTER
+from ..compat import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER
 from ..debug import GraphRecord
 from ..meta import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
 from .memory import memory_timeline
@@ -182,7 +182,13 @@ def build_report(record: GraphRecord) -> GraphReport:
         if items:
             report.collectives[name] = {"count": len(items), "bytes": sum(i.bytes for i in items)}
 
-    timeline = memory_timeline(gm, inputs_die=record.kind == "backward")
+    timeline = memory_timeline(
+        gm,
+        inputs_die=record.kind == "backward",
+        gloo_temporaries=any(
+            _backend_of(n.args[-1]) == "gloo" for n in nodes if n.target in COLLECTIVES
+        ),
+    )
     report.memory = timeline.live_bytes
     report.peak_bytes = timeline.peak_bytes
     report.peak_node = timeline.peak_node
@@ -195,6 +201,17 @@ def build_report(record: GraphRecord) -> GraphReport:
         if isinstance(n.meta.get("val"), torch.Tensor)
     ]
     return report
+
+
+def _backend_of(group_name: str) -> str | None:
+    try:
+        import torch.distributed as dist
+
+        from ..compat import group_backend
+
+        return group_backend(dist.distributed_c10d._resolve_process_group(group_name))
+    except Exception:  # no process group here (a report built offline)
+        return None
 
 
 def _gradient_sources(reduce_scatter: fx.Node) -> list[fx.Node]:
