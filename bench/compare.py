@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores/world)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--zero3-options",
+        default="{}",
+        help="JSON options for the zero3 contenders, e.g. '{\"bucket_mb\": 5}'",
+    )
     parser.add_argument("--timeout", type=float, help="seconds per contender")
     parser.add_argument(
         "--warm-cache",
@@ -63,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.timeout = args.timeout or (600.0 if args.quick else 3600.0)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first warm-up step compiles)")
+    try:
+        if not isinstance(json.loads(args.zero3_options), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as error:
+        parser.error(f"--zero3-options must be a JSON object like '{{\"bucket_mb\": 5}}': {error}")
     unknown = set(args.contenders.split(",")) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contender(s) {sorted(unknown)}; known: {', '.join(CONTENDERS)}")
@@ -96,6 +107,7 @@ def run_one(name: str, args: argparse.Namespace, device: str, log_dir: str) -> d
         steps=args.steps,
         seed=args.seed,
         threads=args.threads or max(1, (os.cpu_count() or 1) // args.world),
+        zero3_options=args.zero3_options,
     )
     return run_spec(
         spec,
@@ -120,6 +132,7 @@ def describe_run(
         f"{args.warmup} warm-up + {args.steps} timed steps + 1 profiled step; torch "
         f"{torch.__version__}, {os.cpu_count()} cores, {threads} thread(s) per process, "
         f"{platform.node()}, {datetime.datetime.now():%Y-%m-%d %H:%M}; total {elapsed_s:.0f} s."
+        + (f" zero3 options: {args.zero3_options}." if json.loads(args.zero3_options) else "")
     )
 
 

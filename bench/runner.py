@@ -8,6 +8,7 @@ loss is kept: all contenders run the same number of steps on the same batches.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class RunSpec:
     steps: int
     seed: int
     threads: int
+    zero3_options: str = "{}"  # JSON: extra options of the zero3 contenders (e.g. bucket_mb)
 
 
 def _device(spec: RunSpec, rank: int) -> torch.device:
@@ -55,7 +57,14 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
     preset = PRESETS[spec.preset]
     device = _device(spec, rank)
     world = spec.world if contender.distributed else 1
-    ctx = Context(rank, world, device, spec.backend, preset.per_rank_batch)
+    ctx = Context(
+        rank,
+        world,
+        device,
+        spec.backend,
+        preset.per_rank_batch,
+        zero3_options=json.loads(spec.zero3_options),
+    )
     contender.init_process_group(ctx)
     model = build_model(preset, spec.seed, device)
     info = {"n_params": parameter_count(model), "param_bytes": storage_bytes(model.parameters())}
