@@ -17,6 +17,8 @@ class Options:
         exact numerics, fast compiles, for debugging).
     bucket_mb: size cap of one all-gather / reduce-scatter bucket, in MiB of the
         communicated dtype. Parameters of one block are bucketed together up to this cap.
+        5 measured best of 2/5/25/100 on a 25M-parameter GPT (bench/RESULTS.md): the same
+        step time as 25, with one prefetched bucket less held (peak equal to FSDP2's).
     prefetch_depth: how many all-gathers may be issued ahead of the one being waited on
         (0: gather right before use, no overlap).
     max_inflight_bytes: optional cap on the bytes of gathers issued but not yet used; the
@@ -32,7 +34,7 @@ class Options:
     """
 
     codegen: str = "inductor"
-    bucket_mb: float = 25.0
+    bucket_mb: float = 5.0
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     reduce_scatter_depth: int = 1
