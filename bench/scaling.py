@@ -102,19 +102,21 @@ def measure(args: argparse.Namespace, log_dir: str) -> dict[str, dict[int, dict]
 
 
 def ideal(points: dict[int, dict], key: str, world: int) -> float | None:
-    """The world-size-1 figure divided by N (for the peak: only the persistent part shrinks)."""
+    """The world-size-1 figure divided by N. For the peak: the state live when the step starts
+    (parameters, optimizer state) shrinks as 1/N, the step's transient (activations, gradients
+    as they are produced) stays."""
     base = points.get(1, {})
     if base.get("status") != "ok":
         return None
     if key == "persistent_total":
         return base["persistent_total"] / world
-    return base["peak"] - base["persistent_total"] * (1 - 1 / world)
+    return (base["peak"] - base["transient"]) / world + base["transient"]
 
 
 def table(results: dict[str, dict[int, dict]]) -> str:
     lines = [
         "| contender | world | persistent MiB | ideal (1/N) | allocator peak MiB "
-        "| ideal (state 1/N) | step transient MiB | RSS steady MiB |",
+        "| ideal (start state 1/N) | step transient MiB | RSS steady MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, points in results.items():
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Rank 0 of N, per-rank batch {PRESETS[args.model].per_rank_batch} x "
         f"{PRESETS[args.model].seq_len} tokens, torch {torch.__version__}, "
         f"{time.perf_counter() - start:.0f} s. Ideal: the world-1 persistent state / N; "
-        "for the peak, the world-1 peak with only its persistent part divided by N.\n\n"
+        "for the peak, the world-1 peak with the state live at the step start divided by N.\n\n"
         f"{table(results)}\n"
     )
     print()

@@ -44,7 +44,9 @@ def _nbytes(val) -> int:
 def _held_until(reader: fx.Node, position: dict[fx.Node, int]) -> int:
     """A collective holds its input until it completes: until its wait, not its issue."""
     if reader.target in COLLECTIVES:
-        return max((position[w] for w in reader.users if w.target is WAIT), default=position[reader])
+        return max(
+            (position[w] for w in reader.users if w.target is WAIT), default=position[reader]
+        )
     return position[reader]
 
 
