@@ -134,7 +134,9 @@ class FrozenMLP(nn.Module):
 
 def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
-    return F.mse_loss(model(x), y)
+    # the loss in fp32 whatever the compute dtype (torch 2.11's eager mse_loss backward rejects a
+    # bf16 input with an fp32 target; type promotion computes in fp32 anyway)
+    return F.mse_loss(model(x).float(), y)
 
 
 def mlp_batch(global_batch: int, seed: int = 0):

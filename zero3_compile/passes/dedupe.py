@@ -50,7 +50,9 @@ def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
 
 def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function":
-        return node.target in VIEW_OPS
+        # torch 2.11's dynamo records ``DTensor.to_local()`` as a call of a fresh closure named
+        # "prim_to_local" (later versions: a ``to_local`` method call)
+        return node.target in VIEW_OPS or getattr(node.target, "__name__", None) == "prim_to_local"
     # the dynamo graph reads a DTensor parameter's shard with a method call
     return node.op == "call_method" and node.target in _VIEW_METHODS
 
