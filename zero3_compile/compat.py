@@ -23,6 +23,14 @@ COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER)
 TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def is_dtensor_to_local(node) -> bool:
+    """Whether an FX node of a dynamo graph is ``DTensor.to_local()``: a ``to_local`` method call,
+    or on torch 2.11 a call of a fresh closure dynamo names "prim_to_local"."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    return node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local"
+
+
 def all_gather(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """All-gather a flat tensor into (world_size * numel,), waiting for the result."""
     return WAIT(ALL_GATHER(flat, world_size, group_name))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..compat import is_dtensor_to_local
 from ..graph_utils import VIEW_OPS
 from ..ops import is_unshard
 from ..plan import Plan
 
-_VIEW_METHODS = {"to_local", "view", "reshape"}
+_VIEW_METHODS = {"view", "reshape"}
 
 
 def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
@@ -49,11 +50,10 @@ def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
 
 
 def _is_view(node: fx.Node) -> bool:
+    if is_dtensor_to_local(node):  # how the dynamo graph reads a parameter's shard
+        return True
     if node.op == "call_function":
-        # torch 2.11's dynamo records ``DTensor.to_local()`` as a call of a fresh closure named
-        # "prim_to_local" (later versions: a ``to_local`` method call)
-        return node.target in VIEW_OPS or getattr(node.target, "__name__", None) == "prim_to_local"
-    # the dynamo graph reads a DTensor parameter's shard with a method call
+        return node.target in VIEW_OPS
     return node.op == "call_method" and node.target in _VIEW_METHODS
 
 
