@@ -71,7 +71,7 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
 
     records_cm: Any = contextlib.nullcontext(None)
     if contender.comm_source == "graphs":
-        from zero3_compile.debug import record_graphs
+        from zero3_compile.recording import record_graphs
 
         records_cm = record_graphs()
     with records_cm as records:

@@ -7,8 +7,8 @@ import re
 import torch.fx as fx
 
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
-from zero3_compile.debug import GraphRecord
-from zero3_compile.meta import PARAMS
+from zero3_compile.node_keys import PARAMS
+from zero3_compile.recording import GraphRecord
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

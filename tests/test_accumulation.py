@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import zero3_compile as z3
-from zero3_compile.debug import record_graphs
+from zero3_compile.param import state_of
+from zero3_compile.recording import record_graphs
 
 from .dist_utils import run_scenarios
 from .graph_checks import collective_counts
@@ -20,6 +21,7 @@ MICRO_STEPS = 3
 
 
 def _accumulate(rank, world_size, model_name, codegen, sync_each_step):
+    torch._dynamo.reset()  # each scenario compiles its own graphs (they are recorded)
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     z3.shard(model)
@@ -41,7 +43,7 @@ def _accumulate(rank, world_size, model_name, codegen, sync_each_step):
     sinks_left = [
         n
         for n, p in params.items()
-        if getattr(p, "_zero3_grad_sink", None) is not None and p._zero3_grad_sink.grad is not None
+        if state_of(p).grad_sink is not None and state_of(p).grad_sink.grad is not None
     ]
     return {
         "grads": {

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import zero3_compile as z3
-from zero3_compile.debug import measure_peak_bytes
+from zero3_compile.inspect import measure_peak_bytes
 
 from .dist_utils import run_ranks
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss

@@ -10,9 +10,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
-from zero3_compile.meta import BUCKET, PARAM_DERIVED
+from zero3_compile.context import PassContext, block_of
+from zero3_compile.node_keys import BUCKET, PARAM_DERIVED
 from zero3_compile.ops import REDUCE_GRAD, UNSHARD
 from zero3_compile.options import Options
+from zero3_compile.param import MarkerArgs, UnshardCall, marker_tuple
 from zero3_compile.passes import (
     assign_buckets,
     dedupe_gathers,
@@ -23,7 +25,6 @@ from zero3_compile.passes import (
     verify,
 )
 from zero3_compile.passes.verify import ScheduleError
-from zero3_compile.plan import Plan, block_of
 
 WORLD = 4
 aten = torch.ops.aten
@@ -37,13 +38,22 @@ def _group() -> str:
     return dist.group.WORLD.group_name
 
 
+_IDS: dict[str, int] = {}
+
+
+def marker(shape, name, dtype=None) -> MarkerArgs:
+    param_id = _IDS.setdefault(name, len(_IDS) + 1)
+    return MarkerArgs(param_id, tuple(shape), _group(), WORLD, dtype, None, name)
+
+
 def gather(shard, shape, name, dtype=None):
-    return torch.ops.zero3.unshard(shard, list(shape), _group(), WORLD, dtype, None, name)
+    return UNSHARD(shard, *marker_tuple(marker(shape, name, dtype)))
 
 
 def reduce(grad, shard_shape, name):
-    return torch.ops.zero3.reduce_grad(
-        grad, list(shard_shape), _group(), WORLD, None, torch.float32, name
+    full_shape = (shard_shape[0] * WORLD, *shard_shape[1:])
+    return REDUCE_GRAD(
+        grad, *marker_tuple(marker(full_shape, name)), list(shard_shape), torch.float32
     )
 
 
@@ -51,8 +61,8 @@ def trace(fn, *args) -> fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
-def plan(kind="forward", **options) -> Plan:
-    return Plan(options=Options(codegen="eager", **options), graph_kind=kind)
+def plan(kind="forward", **options) -> PassContext:
+    return PassContext(options=Options(codegen="eager", **options), graph_kind=kind)
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -136,7 +146,7 @@ def test_block_of_names_the_repeated_block():
 def test_buckets_follow_blocks_and_first_use():
     gm = layers_graph(n_layers=3, root_head=True)
     run(gm, plan(), assign_buckets)
-    buckets = {n.args[-1]: n.meta[BUCKET] for n in calls(gm, UNSHARD)}
+    buckets = {UnshardCall.of(n).args.fqn: n.meta[BUCKET] for n in calls(gm, UNSHARD)}
     assert buckets == {
         "h.0.fc.weight": 0,
         "h.0.fc.bias": 0,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import zero3_compile as z3
-from zero3_compile.debug import record_graphs
+from zero3_compile.recording import record_graphs
 
 from .graph_checks import analyze
 from .models import GPT, FrozenMLP, GraphBreakGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
@@ -111,6 +111,7 @@ def _train_pair(
     profile_step,
     clip_norm,
 ):
+    torch._dynamo.reset()  # each job compiles (and records) its own graphs
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     z3.shard(model)

@@ -9,18 +9,19 @@ from .accumulation import set_requires_gradient_sync
 from .backend import register as _register
 from .backend import zero3_backend
 from .checkpoint import load_checkpoint, save_checkpoint
-from .init import materialize
+from .guard import CollectiveMismatchError
 from .inspect import explain
-from .inspect.session import install_from_env as _install_inspection
+from .materialize import materialize
 from .mixed_precision import MixedPrecision
 from .options import Options
-from .shard import shard
+from .recording import record_graphs
+from .shard import set_leaf_modules, shard
 from .state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
 
 _register()
-_install_inspection()
 
 __all__ = [
+    "CollectiveMismatchError",
     "MixedPrecision",
     "Options",
     "explain",
@@ -28,8 +29,10 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "materialize",
+    "record_graphs",
     "save_checkpoint",
     "save_full_state_dict",
+    "set_leaf_modules",
     "set_requires_gradient_sync",
     "shard",
     "zero3_backend",

@@ -20,62 +20,45 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .shard import is_sharded, spec_of
+from .ops import REDUCE_GRAD
+from .param import ShardedParam, marker_tuple, module_state
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """Turn the gradient reduce-scatter of ``model``'s sharded parameters on or off."""
-    sinks: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if not hasattr(type(module), "_zero3_base_class"):
+        state = module_state(module)
+        if state is None:
             continue
-        if not requires_gradient_sync and module._zero3_sinks is None:
-            module._zero3_sinks = {
-                attr: _sink_for(param, sinks)
-                for attr, param in module._parameters.items()
-                if param is not None and is_sharded(param)
-            }
-        module._zero3_sync = requires_gradient_sync
-        for param in module._parameters.values():
-            if param is not None and is_sharded(param):
-                param._zero3_sync = requires_gradient_sync
+        state.requires_sync = requires_gradient_sync
+        for param_state in state.params.values():
+            param_state.requires_sync = requires_gradient_sync
+            if not requires_gradient_sync and param_state.param.requires_grad:
+                _ensure_sink(param_state)
 
 
-def _sink_for(param: nn.Parameter, sinks: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    if not param.requires_grad:
-        return None
-    sink = sinks.get(id(param))
-    if sink is None:
-        sink = getattr(param, "_zero3_grad_sink", None)
-    if sink is None:
-        local = param.to_local()
-        sink = torch.zeros((), dtype=local.dtype, device=local.device).expand(param.shape)
-        sink = sink.detach().requires_grad_(True)
-        param._zero3_grad_sink = sink
-        param.register_post_accumulate_grad_hook(_flush_into(sink))
-    sinks[id(param)] = sink
-    return sink
+def _ensure_sink(state: ShardedParam) -> None:
+    if state.grad_sink is not None:
+        return
+    local = state.local()
+    sink = torch.zeros((), dtype=local.dtype, device=local.device).expand(state.full_shape)
+    state.grad_sink = sink.detach().requires_grad_(True)
+    state.param.register_post_accumulate_grad_hook(_flush(state))
 
 
-def _flush_into(sink: torch.Tensor):
+def _flush(state: ShardedParam):
     def flush(param: nn.Parameter) -> None:
         """Runs when the shard's gradient was accumulated: add the reduced pending gradient."""
-        pending = sink.grad
+        sink = state.grad_sink
+        pending = None if sink is None else sink.grad
         # the hook also runs for steps that gave the shard no gradient (sync off)
-        if pending is None or param.grad is None or not getattr(param, "_zero3_sync", True):
+        if pending is None or param.grad is None or not state.requires_sync:
             return
         sink.grad = None
-        spec = spec_of(param)
         local = param.to_local()
         with torch.no_grad():
-            reduced = torch.ops.zero3.reduce_grad(
-                pending,
-                list(local.shape),
-                spec.group_name,
-                spec.world_size,
-                spec.reduce_dtype,
-                local.dtype,
-                spec.name,
+            reduced = REDUCE_GRAD(
+                pending, *marker_tuple(state.marker), list(local.shape), local.dtype
             )
             param.grad.to_local().add_(reduced)
 

@@ -1,13 +1,17 @@
-"""Everything that differs between the torch releases we support (2.11 through 2.14).
+"""Every torch API this package uses that is private or changed between releases, in one place.
 
-The graph-level functional collectives (``torch.ops._c10d_functional``) are the stable layer:
-the Python wrappers around them were renamed in 2.13, the ops were not. Eager code in this
-package calls the ops too, so there is a single code path for both modes.
+Supported: torch 2.11 through 2.14 (``pyproject.toml`` pins ``<2.15`` until a newer release
+passes the suite). Each entry says why we need it, the public alternative if there is one, and
+the versions it was checked on. The graph-level functional collectives
+(``torch.ops._c10d_functional``) are the stable layer: their Python wrappers were renamed in 2.13,
+the ops were not.
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,15 +24,8 @@ REDUCE_SCATTER = funcol.reduce_scatter_tensor.default
 WAIT = funcol.wait_tensor.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER)
 
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
-
-def is_dtensor_to_local(node) -> bool:
-    """Whether an FX node of a dynamo graph is ``DTensor.to_local()``: a ``to_local`` method call,
-    or on torch 2.11 a call of a fresh closure dynamo names "prim_to_local"."""
-    if node.op == "call_method":
-        return node.target == "to_local"
-    return node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local"
+# ------------------------------------------------------------------------------- collectives
 
 
 def all_gather(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
@@ -41,6 +38,23 @@ def reduce_scatter_sum(flat: torch.Tensor, world_size: int, group_name: str) -> 
     return WAIT(REDUCE_SCATTER(flat, "sum", world_size, group_name))
 
 
+def side_all_gather(out: torch.Tensor, inp: torch.Tensor, group, timeout_s: float) -> None:
+    """Eager all-gather on a (gloo) side group with a bounded wait.
+
+    2.13 deprecates ``all_gather_into_tensor`` for ``all_gather_single``, which 2.11/2.12 lack.
+    ``Work.wait(timeout)`` raises on gloo once the timeout passes (checked 2.13).
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = fn(out, inp, group=group, async_op=True)
+    work.wait(timeout=timedelta(seconds=timeout_s))
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group of a name found in a graph. Private (``_resolve_process_group``) with no
+    public equivalent; the functional collectives use it themselves. Checked 2.11-2.14."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
 def mesh_from_group(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
@@ -50,7 +64,11 @@ def group_backend(group: dist.ProcessGroup) -> str:
 
 
 def default_store() -> dist.Store | None:
-    """The store the default process group was created with (None if unavailable)."""
+    """The store the default process group was created with (None if unavailable).
+
+    Private (``_get_default_store``); the public alternative is keeping the store you created,
+    which a library cannot. Checked 2.11-2.14.
+    """
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get is None:
         return None
@@ -60,5 +78,200 @@ def default_store() -> dist.Store | None:
         return None
 
 
-def store_wait(store: dist.Store, keys: list[str], timeout_s: float) -> None:
-    store.wait(keys, timedelta(seconds=timeout_s))
+# ------------------------------------------------------------------------------- dynamo graphs
+
+
+def is_dtensor_to_local(node) -> bool:
+    """Whether an FX node of a dynamo graph is ``DTensor.to_local()``: a ``to_local`` method call,
+    or on torch 2.11 a call of a fresh closure dynamo names "prim_to_local" (no public way to
+    recognise it; gone in 2.13)."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    return node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local"
+
+
+def checkpoint_hops() -> tuple:
+    """Higher-order ops whose body is ``args[0]`` (a get_attr) called with ``args[1:]``:
+    ``torch.utils.checkpoint`` regions and ``wrap``. Private (``torch._higher_order_ops``);
+    checked 2.11-2.14."""
+    ops = []
+    higher_order = torch.ops.higher_order
+    for name in ("tag_activation_checkpoint", "wrap"):
+        op = getattr(higher_order, name, None)
+        if op is not None:
+            ops.append(op)
+    return tuple(ops)
+
+
+def set_grad_enabled_target():
+    """What dynamo records for ``torch.no_grad()`` / ``enable_grad()`` regions."""
+    return torch._C._set_grad_enabled
+
+
+# ------------------------------------------------------------------------------- aot_autograd
+
+
+def min_cut_partition(gm, joint_inputs, **kwargs):
+    """The default partitioner. Private (``torch._functorch.partitioners``), no public alternative
+    for a custom partition step; the signature is stable 2.11-2.14."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def partitioner_base() -> type:
+    """Base class of a partition function Inductor's ``custom_partitioner_fn`` accepts (private,
+    ``torch._inductor.custom_graph_pass``, 2.11-2.14)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    return CustomPartitionerFn
+
+
+def aot_autograd_backend(**kwargs):
+    """``torch._dynamo.backends.common.aot_autograd``: semi-public (documented for custom
+    backends), 2.11-2.14."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(**kwargs)
+
+
+def autograd_cache_patch(enabled: bool):
+    """AOTAutograd's cache switch (private ``torch._functorch.config``), 2.11-2.14."""
+    from torch._functorch import config as functorch_config
+
+    return functorch_config.patch(enable_autograd_cache=enabled)
+
+
+def node_desc(node) -> Any:
+    """AOTAutograd's descriptor of a joint-graph input or output (``node.meta["desc"]``): which
+    user input a primal is, which user output a tangent belongs to. Private; present 2.11-2.14.
+    None when missing (the caller then treats every gradient as present)."""
+    return node.meta.get("desc")
+
+
+def desc_input_index(desc) -> int | None:
+    """The user input index a primal / gradient descriptor refers to (through subclass parts)."""
+    for _ in range(8):
+        if desc is None:
+            return None
+        name = type(desc).__name__
+        if name == "PlainAOTInput":
+            return desc.idx
+        if name == "GradAOTOutput":
+            desc = desc.grad_of
+            continue
+        desc = getattr(desc, "base", None)
+    return None
+
+
+def desc_tangent_output(desc) -> int | None:
+    """The user output index a tangent descriptor belongs to, None for any other tangent
+    (input mutations, aliased intermediates, subclass parts)."""
+    if desc is None or type(desc).__name__ != "TangentAOTInput":
+        return None
+    output = desc.output
+    return output.idx if type(output).__name__ == "PlainAOTOutput" else None
+
+
+def compiled_function_offset(node) -> int | None:
+    """Where the user outputs start among the outputs of AOTAutograd's autograd.Function (after
+    the inputs it mutates at runtime). Private metadata (``ViewAndMutationMeta``), 2.11-2.14."""
+    forward_cls = getattr(type(node), "_forward_cls", None)
+    metadata = getattr(forward_cls, "metadata", None)
+    count = getattr(metadata, "num_mutated_inp_runtime_indices", None)
+    return count if isinstance(count, int) else None
+
+
+def is_compiled_function_node(node) -> bool:
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+# ------------------------------------------------------------------------------- inductor
+
+
+def inductor_compile_fx():
+    """``compile_fx`` / ``compile_fx_inner``: private, the only way to run Inductor on graphs we
+    scheduled ourselves (2.11-2.14)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def inductor_config_patches(mode: str | None) -> dict[str, Any]:
+    """Inductor settings the scheduled graphs need.
+
+    - ``reorder_for_peak_memory`` off: it would move every all-gather down to its wait.
+    - ``aten_distributed_optimizations.enable_simple_overlap`` off where the key exists (on by
+      default in 2.14, being reverted upstream over hangs): it moves collective starts and waits
+      after our scheduler placed them.
+    """
+    import torch._inductor.config as inductor_config
+
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(mode))
+    patches["reorder_for_peak_memory"] = False
+    if _config_has(inductor_config, "aten_distributed_optimizations.enable_simple_overlap"):
+        patches["aten_distributed_optimizations.enable_simple_overlap"] = False
+    return patches
+
+
+def _config_has(config_module, key: str) -> bool:
+    try:
+        return key in config_module.get_config_copy()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ------------------------------------------------------------------------------- fx and autograd
+
+
+def boxed_codegen():
+    """FX codegen with the boxed calling convention (inputs freed as early as possible).
+    Private ``torch.fx.graph._BoxedCodeGen``; present 2.11-2.14."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    return _BoxedCodeGen()
+
+
+def mark_side_effect(op) -> None:
+    """Keep an op without users through FX and Inductor dead-code elimination
+    (``torch.fx.node.has_side_effect``: public since 2.5)."""
+    torch.fx.node.has_side_effect(op)
+
+
+def queue_engine_callback(callback) -> None:
+    """Run ``callback`` when the current backward pass ends (what DDP and FSDP use; private)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def storage_key(tensor: torch.Tensor):
+    """A hashable handle of a tensor's storage (``StorageWeakRef``, private, 2.11-2.14)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+@functools.cache
+def profiler_allocation_tag():
+    """The profiler's allocation event tag (private ``torch._C._profiler._EventType``)."""
+    from torch._C._profiler import _EventType
+
+    return _EventType.Allocation
+
+
+def trace_structured(*args, **kwargs) -> None:
+    """``torch._logging.trace_structured`` (private; what tlparse reads), 2.11-2.14."""
+    from torch._logging import trace_structured as trace
+
+    trace(*args, **kwargs)
+
+
+def register_dynamo_backend(fn, name: str) -> None:
+    """Register a backend unless the entry point (or an import) did already."""
+    from torch._dynamo.backends import registry
+
+    # private tables: the public ``register_backend`` raises on a second registration
+    if name in registry._COMPILER_FNS or registry._BACKENDS.get(name) is not None:
+        return
+    registry.register_backend(fn, name=name)

@@ -1,22 +1,14 @@
-"""Small FX helpers the passes share: creating nodes with correct fake values, moving nodes."""
+"""Small FX helpers the passes share: creating nodes with correct fake values, splicing traced
+functions into a graph, moving nodes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
-
-VIEW_OPS = {
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.as_strided.default,
-}
 
 
 def fake_mode_of(graph: fx.Graph) -> FakeTensorMode | None:
@@ -35,11 +27,10 @@ def output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
-def root_placeholder(node: fx.Node) -> fx.Node | None:
-    """The placeholder ``node`` is a chain of views of, or None."""
-    while node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node if node.op == "placeholder" else None
+def _stamp(node: fx.Node, source: fx.Node | None, meta: dict) -> None:
+    if source is not None and "stack_trace" in source.meta:
+        node.meta["stack_trace"] = source.meta["stack_trace"]
+    node.meta.update(meta)
 
 
 class NodeFactory:
@@ -62,11 +53,52 @@ class NodeFactory:
         fake_kwargs = map_arg(kwargs, lambda n: n.meta["val"])
         with self.fake_mode:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
-        if self.source is not None and "stack_trace" in self.source.meta:
-            node.meta["stack_trace"] = self.source.meta["stack_trace"]
-        node.meta.update(self.meta)
+        _stamp(node, self.source, self.meta)
         self.created.append(node)
         return node
+
+    def splice(self, fn: Callable, inputs: Sequence[fx.Node]):
+        """Trace ``fn(*input values)`` and insert its ops here; returns the nodes of its result
+        (same structure: a node, or a list of nodes). The spliced nodes get this factory's meta.
+        """
+        outputs, created = splice(self.graph, fn, inputs, self.fake_mode)
+        for node in created:
+            _stamp(node, self.source, self.meta)
+        self.created.extend(created)
+        return outputs
+
+
+def splice(
+    graph: fx.Graph,
+    fn: Callable,
+    inputs: Sequence[fx.Node],
+    fake_mode: FakeTensorMode | None = None,
+) -> tuple[object, list[fx.Node]]:
+    """Trace ``fn`` on the fake values of ``inputs`` (ATen level, as the graph is) and copy its
+    ops into ``graph`` at the insertion point, as Inductor's bucketing passes do.
+
+    Returns (the result's node structure, the nodes created). Every created node carries the
+    ``val`` computed while tracing.
+    """
+    fake_mode = fake_mode or fake_mode_of(graph) or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [node.meta["val"] for node in inputs]
+    with fake_mode:
+        traced = make_fx(fn)(*fakes)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    value_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
+    created: list[fx.Node] = []
+    result = None
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            result = map_arg(node.args[0], lambda n: value_map[n])
+            break
+        new = graph.node_copy(node, lambda n: value_map[n])
+        new.meta = {"val": node.meta.get("val")}
+        value_map[node] = new
+        created.append(new)
+    return result, created
 
 
 def move_before(nodes: Iterable[fx.Node], anchor: fx.Node) -> None:

@@ -1,119 +1,108 @@
-"""The two marker operations every sharded parameter goes through.
+"""The operations every sharded parameter goes through.
 
-``zero3::unshard(shard) -> full`` is what reading ``module.weight`` calls. Its backward is
-``zero3::reduce_grad(full_grad) -> shard_grad``: a reduce-scatter averaged over ranks
-(data-parallel semantics, as DDP and FSDP2).
+``zero3::unshard(shard, <marker fields>, grad_sink=None) -> full`` is what reading
+``module.weight`` calls. Its backward is ``zero3::reduce_grad(full_grad, <marker fields>,
+shard_shape, shard_dtype) -> shard_grad``: a reduce-scatter averaged over ranks (data-parallel
+semantics, as DDP and FSDP2).
 
-Both are real operations: run eagerly they issue the collective at once, so a model is correct
-without the compiler (and between graph breaks). Under ``torch.compile`` they appear in the traced
-graph as single nodes; the backend's passes then replace them by functional collectives placed
-and bucketed by the scheduler. Their fake implementations give the full / shard shape.
+Both are real operations: run eagerly they issue the collective at once (after the cross-rank
+check of ``guard.py``), so a model is correct without the compiler and between graph breaks.
+Under ``torch.compile`` they appear in the traced graph as single nodes; the backend's passes then
+replace them by bucketed functional collectives, spliced in from the same arithmetic
+(``arithmetic.py``). Their fake implementations give the full / shard shape.
+
+``zero3::guard`` is the cross-rank check a scheduled graph runs before its first collective.
+``unshard_many`` gathers a leaf module's parameters together, eagerly (``set_leaf_modules``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .compat import all_gather, reduce_scatter_sum
-from .layout import ShardLayout
+from . import arithmetic, guard
+from .compat import all_gather, mark_side_effect, reduce_scatter_sum
+from .param import NUM_MARKER_FIELDS, MarkerArgs, marker_schema, marker_tuple
+
+UNSHARD_SCHEMA = marker_schema("Tensor shard", "Tensor? grad_sink=None", "Tensor")
+REDUCE_GRAD_SCHEMA = marker_schema(
+    "Tensor grad", "SymInt[] shard_shape, ScalarType shard_dtype", "Tensor"
+)
 
 
-@torch.library.custom_op("zero3::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    full_shape: list[int],
-    group_name: str,
-    world_size: int,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    name: str,
-    grad_sink: torch.Tensor | None = None,
-) -> torch.Tensor:
+def _split(values: Sequence) -> tuple[MarkerArgs, list]:
+    return MarkerArgs.decode(values[:NUM_MARKER_FIELDS]), list(values[NUM_MARKER_FIELDS:])
+
+
+@torch.library.custom_op("zero3::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
+def unshard(shard: torch.Tensor, *rest) -> torch.Tensor:
     """All-gather ``shard`` (this rank's dim-0 chunk) into the full parameter.
 
     The cast to ``param_dtype`` happens on the shard, before the collective, so mixed
-    precision halves the bytes on the wire.
-
-    Gradient accumulation without synchronisation (``set_requires_gradient_sync(model, False)``)
-    passes ``grad_sink``: a full-shape leaf that receives the full, unreduced gradient instead of
-    the shard, so backward issues no collective (see ``accumulation.py``).
+    precision halves the bytes on the wire. ``grad_sink``: see ``accumulation.py``.
     """
-    layout = ShardLayout(tuple(full_shape), world_size)
-    x = shard if param_dtype is None else shard.to(param_dtype)
-    if world_size == 1:
-        return x.clone() if x is shard else x
-    flat = x.reshape(-1)
-    if flat.numel() < layout.padded_numel:
-        flat = F.pad(flat, (0, layout.padded_numel - flat.numel()))
-    gathered = all_gather(flat.contiguous(), world_size, group_name)  # (world * padded_numel,)
-    return gathered.view(layout.gathered_shape())[: layout.dim0]
+    args, _ = _split(rest)
+    dtype = arithmetic.gather_dtype(shard.dtype, args.param_dtype)
+    if args.world_size == 1:
+        return _not_aliasing(arithmetic.single_rank_gather(shard, dtype), shard)
+    guard.check(args.group_name, guard.KIND_EAGER_GATHER, args.param_id, repr(args.fqn))
+    flat = arithmetic.gather_copy_in([shard], [args.layout], dtype)
+    gathered = all_gather(flat.contiguous(), args.world_size, args.group_name)
+    return arithmetic.gather_copy_out(gathered, [args.layout])[0]
 
 
 @unshard.register_fake
-def _unshard_fake(
-    shard,
-    full_shape,
-    group_name,
-    world_size,
-    param_dtype,
-    reduce_dtype,
-    name,
-    grad_sink=None,
-):
-    dtype = shard.dtype if param_dtype is None else param_dtype
-    return shard.new_empty(tuple(full_shape), dtype=dtype)
+def _unshard_fake(shard: torch.Tensor, *rest) -> torch.Tensor:
+    args, _ = _split(rest)
+    dtype = arithmetic.gather_dtype(shard.dtype, args.param_dtype)
+    return shard.new_empty(tuple(args.full_shape), dtype=dtype)
 
 
-@torch.library.custom_op("zero3::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: torch.Tensor,
-    shard_shape: list[int],
-    group_name: str,
-    world_size: int,
-    reduce_dtype: torch.dtype | None,
-    shard_dtype: torch.dtype,
-    name: str,
-) -> torch.Tensor:
+@torch.library.custom_op("zero3::reduce_grad", mutates_args=(), schema=REDUCE_GRAD_SCHEMA)
+def reduce_grad(grad: torch.Tensor, *rest) -> torch.Tensor:
     """Reduce-scatter the full gradient ``grad``; return this rank's shard of the mean."""
-    layout = ShardLayout(tuple(grad.shape), world_size)
-    x = grad if reduce_dtype is None else grad.to(reduce_dtype)
-    local_numel = 1
-    for size in shard_shape:
-        local_numel *= size
-    if world_size == 1:
-        return x.reshape(shard_shape).to(shard_dtype, copy=True)
-    flat = x.reshape(-1)
-    total = layout.padded_numel * world_size
-    if flat.numel() < total:
-        flat = F.pad(flat, (0, total - flat.numel()))
-    reduced = reduce_scatter_sum(flat.contiguous(), world_size, group_name)  # (padded_numel,)
-    mine = reduced[:local_numel].view(shard_shape) / world_size
-    return mine.to(shard_dtype)
+    args, (shard_shape, shard_dtype) = _split(rest)
+    dtype = args.reduce_dtype or grad.dtype
+    if args.world_size == 1:
+        out = arithmetic.single_rank_reduce(grad, dtype, shard_shape, shard_dtype)
+        return _not_aliasing(out, grad)
+    guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
+    flat = arithmetic.reduce_copy_in([grad], [args.layout], dtype)
+    reduced = reduce_scatter_sum(flat.contiguous(), args.world_size, args.group_name)
+    return arithmetic.reduce_copy_out(reduced, [args.layout], [shard_shape], [shard_dtype])[0]
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad, shard_shape, group_name, world_size, reduce_dtype, shard_dtype, name):
+def _reduce_grad_fake(grad: torch.Tensor, *rest) -> torch.Tensor:
+    _, (shard_shape, shard_dtype) = _split(rest)
     return grad.new_empty(tuple(shard_shape), dtype=shard_dtype)
 
 
+def _not_aliasing(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """A custom op may not return (a view of) its input."""
+    if out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return out.clone()
+    return out
+
+
 def _setup_context(ctx, inputs, output):
-    shard, _full_shape, group_name, world_size, _param_dtype, reduce_dtype, name = inputs[:7]
-    grad_sink = inputs[7]
-    ctx.args = (list(shard.shape), group_name, world_size, reduce_dtype, shard.dtype, name)
+    shard, *rest = inputs
+    args, (grad_sink,) = _split(rest)
+    ctx.args = args
+    ctx.shard_shape = list(shard.shape)
+    ctx.shard_dtype = shard.dtype
     ctx.sink_dtype = None if grad_sink is None else grad_sink.dtype
 
 
 def _backward(ctx, grad):
-    shard_shape, group_name, world_size, reduce_dtype, shard_dtype, name = ctx.args
+    nones = (None,) * NUM_MARKER_FIELDS
     if ctx.sink_dtype is not None:  # accumulating without synchronisation: no collective
-        return None, None, None, None, None, None, None, grad.to(ctx.sink_dtype)
-    shard_grad = torch.ops.zero3.reduce_grad(
-        grad, shard_shape, group_name, world_size, reduce_dtype, shard_dtype, name
+        return (None, *nones, grad.to(ctx.sink_dtype))
+    shard_grad = torch.ops.zero3.reduce_grad.default(
+        grad, *marker_tuple(ctx.args), ctx.shard_shape, ctx.shard_dtype
     )
-    return shard_grad, None, None, None, None, None, None, None
+    return (shard_grad, *nones, None)
 
 
 unshard.register_autograd(_backward, setup_context=_setup_context)
@@ -123,38 +112,135 @@ REDUCE_GRAD = torch.ops.zero3.reduce_grad.default
 
 
 def is_unshard(node) -> bool:
-    """An ``unshard`` marker: the overload (AOT graphs) or the packet (dynamo graphs)."""
-    return node.op == "call_function" and node.target in (UNSHARD, torch.ops.zero3.unshard)
+    return node.op == "call_function" and node.target is UNSHARD
 
 
-class UnshardCall(NamedTuple):
-    """The arguments of an ``unshard`` marker node, by name."""
-
-    shard: Any
-    full_shape: list[int]
-    group_name: str
-    world_size: int
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    name: str
-    grad_sink: Any = None
-
-    @classmethod
-    def of(cls, node) -> UnshardCall:
-        return cls(*node.args, **node.kwargs)
+def is_reduce_grad(node) -> bool:
+    return node.op == "call_function" and node.target is REDUCE_GRAD
 
 
-class ReduceGradCall(NamedTuple):
-    """The arguments of a ``reduce_grad`` marker node, by name."""
+# ------------------------------------------------------------------------------- the graph guard
 
-    grad: Any
-    shard_shape: list[int]
-    group_name: str
-    world_size: int
-    reduce_dtype: torch.dtype | None
-    shard_dtype: torch.dtype
-    name: str
 
-    @classmethod
-    def of(cls, node) -> ReduceGradCall:
-        return cls(*node.args, **node.kwargs)
+@torch.library.custom_op("zero3::guard", mutates_args=())
+def graph_guard(group_name: str, kind: int, code: int, label: str, owner: int) -> None:
+    """A scheduled graph's cross-rank check, run before its first collective (``guard.py``).
+
+    For a backward graph it also exchanges which outputs received a gradient (``runtime.py``);
+    ``owner`` names the backend call whose graph this is.
+    """
+    from .runtime import run_graph_guard
+
+    run_graph_guard(group_name, kind, code, label, owner)
+
+
+@graph_guard.register_fake
+def _graph_guard_fake(group_name: str, kind: int, code: int, label: str, owner: int) -> None:
+    return None
+
+
+GUARD = torch.ops.zero3.guard.default
+mark_side_effect(GUARD)
+
+
+# ------------------------------------------------------------------------------- leaf modules
+
+
+class UnshardMany(torch.autograd.Function):
+    """Gather several parameters with one collective per dtype (eager leaf modules).
+
+    Backward reduce-scatters every gradient of the group at once, on every rank, whichever of
+    them this rank's computation reached (the others count as zeros), so ranks that routed tokens
+    to different experts still issue the same collectives. A gradient no rank produced stays None.
+    """
+
+    @staticmethod
+    def forward(ctx, markers: tuple[MarkerArgs, ...], *shards: torch.Tensor):
+        ctx.markers = markers
+        ctx.shard_shapes = [list(s.shape) for s in shards]
+        ctx.shard_dtypes = [s.dtype for s in shards]
+        ctx.set_materialize_grads(False)
+        fulls: list[torch.Tensor | None] = [None] * len(shards)
+        for indices in _by_dtype(
+            [arithmetic.gather_dtype(s.dtype, m.param_dtype) for s, m in zip(shards, markers)]
+        ):
+            group = [markers[i] for i in indices]
+            dtype = arithmetic.gather_dtype(shards[indices[0]].dtype, group[0].param_dtype)
+            first = group[0]
+            if first.world_size == 1:
+                for i in indices:
+                    fulls[i] = arithmetic.single_rank_gather(shards[i], dtype).clone()
+                continue
+            guard.check(
+                first.group_name, guard.KIND_EAGER_GATHER, _group_code(group), _group_label(group)
+            )
+            layouts = [m.layout for m in group]
+            flat = arithmetic.gather_copy_in([shards[i] for i in indices], layouts, dtype)
+            gathered = all_gather(flat.contiguous(), first.world_size, first.group_name)
+            for i, full in zip(indices, arithmetic.gather_copy_out(gathered, layouts)):
+                fulls[i] = full
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        markers = ctx.markers
+        out: list[torch.Tensor | None] = [None] * len(markers)
+        wanted = [i for i in range(len(markers)) if ctx.needs_input_grad[1 + i]]
+        dtypes = [markers[i].reduce_dtype or ctx.shard_dtypes[i] for i in range(len(markers))]
+        for indices in _by_dtype([dtypes[i] for i in wanted]):
+            indices = [wanted[i] for i in indices]
+            group = [markers[i] for i in indices]
+            first, dtype = group[0], dtypes[indices[0]]
+            present = [grads[i] is not None for i in indices]
+            full = [
+                grads[i] if grads[i] is not None else torch.zeros(m.full_shape, dtype=dtype)
+                for i, m in zip(indices, group)
+            ]
+            if first.world_size == 1:
+                reduced = [
+                    arithmetic.single_rank_reduce(
+                        g, dtype, ctx.shard_shapes[i], ctx.shard_dtypes[i]
+                    )
+                    for i, g in zip(indices, full)
+                ]
+                union = present
+            else:
+                union = guard.check(
+                    first.group_name,
+                    guard.KIND_EAGER_REDUCE,
+                    _group_code(group),
+                    _group_label(group),
+                    presence=present,
+                )
+                layouts = [m.layout for m in group]
+                flat = arithmetic.reduce_copy_in(full, layouts, dtype)
+                result = reduce_scatter_sum(flat.contiguous(), first.world_size, first.group_name)
+                reduced = arithmetic.reduce_copy_out(
+                    result,
+                    layouts,
+                    [ctx.shard_shapes[i] for i in indices],
+                    [ctx.shard_dtypes[i] for i in indices],
+                )
+            for i, grad, keep in zip(indices, reduced, union):
+                out[i] = grad if keep else None
+        return (None, *out)
+
+
+def _by_dtype(dtypes: list[torch.dtype]) -> list[list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        groups.setdefault(dtype, []).append(i)
+    return list(groups.values())
+
+
+def _group_code(markers: Sequence[MarkerArgs]) -> int:
+    code = 0
+    for m in markers:
+        code = (code * 1000003 + m.param_id) & 0x7FFFFFFF
+    return code
+
+
+def _group_label(markers: Sequence[MarkerArgs]) -> str:
+    names = [m.fqn for m in markers]
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"of {len(names)} parameters ({shown}{', ...' if len(names) > 3 else ''})"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -11,35 +10,45 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
-from torch._logging import trace_structured
 
+from .compat import trace_structured
+from .context import PassContext
 from .passes import (
     assign_buckets,
     dedupe_gathers,
+    hoist_shard_reads,
+    insert_guard,
     lower_gathers,
     lower_reductions,
     prefetch_gathers,
+    refuse_param_writes,
     tag_recompute,
     verify,
 )
-from .plan import Plan
 
 log = logging.getLogger(__name__)
 
-Pass = Callable[[fx.GraphModule, Plan], None]
+Pass = Callable[[fx.GraphModule, PassContext], None]
 
+DYNAMO_PASSES: tuple[Pass, ...] = (refuse_param_writes, hoist_shard_reads, dedupe_gathers)
 JOINT_PASSES: tuple[Pass, ...] = (dedupe_gathers, tag_recompute)
-FORWARD_PASSES: tuple[Pass, ...] = (assign_buckets, lower_gathers, prefetch_gathers)
-BACKWARD_PASSES: tuple[Pass, ...] = FORWARD_PASSES + (lower_reductions,)
+FORWARD_PASSES: tuple[Pass, ...] = (assign_buckets, lower_gathers, prefetch_gathers, insert_guard)
+BACKWARD_PASSES: tuple[Pass, ...] = (
+    assign_buckets,
+    lower_gathers,
+    prefetch_gathers,
+    lower_reductions,
+    insert_guard,
+)
 
 _PASSES_BY_KIND = {
+    "dynamo": DYNAMO_PASSES,
     "joint": JOINT_PASSES,
     "forward": FORWARD_PASSES,
     "inference": FORWARD_PASSES,
     "backward": BACKWARD_PASSES,
 }
-
-_graph_ids = itertools.count()
+_SCHEDULED = ("forward", "inference", "backward")
 
 
 def passes_for(graph_kind: str) -> tuple[Pass, ...]:
@@ -47,39 +56,34 @@ def passes_for(graph_kind: str) -> tuple[Pass, ...]:
 
 
 def run_pipeline(
-    gm: fx.GraphModule,
-    plan: Plan,
-    passes: Sequence[Pass] | None = None,
-    graph_id: int | None = None,
-) -> int:
-    """Run ``passes`` (default: those of ``plan.graph_kind``) on ``gm`` in place; return its id."""
-    passes = passes_for(plan.graph_kind) if passes is None else passes
-    graph_id = next(_graph_ids) if graph_id is None else graph_id
+    gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass] | None = None
+) -> None:
+    """Run ``passes`` (default: those of ``ctx.graph_kind``) on ``gm`` in place."""
+    passes = passes_for(ctx.graph_kind) if passes is None else passes
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dump = Dumper(plan, graph_id, rank)
+    dump = Dumper(ctx, rank)
     dump.write("00_input", gm)
     for step, graph_pass in enumerate(passes, start=1):
         before = _op_counts(gm.graph)
         start = time.perf_counter()
-        graph_pass(gm, plan)
+        graph_pass(gm, ctx)
         gm.recompile()
         elapsed = time.perf_counter() - start
-        if plan.options.verify and plan.graph_kind != "joint":
-            verify(gm, plan)
+        if ctx.options.verify and ctx.graph_kind in _SCHEDULED:
+            verify(gm, ctx)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "[rank %d] zero3: %s graph %d: %s took %.1f ms, ops %s",
+                "[rank %d] zero3: %s graph %s: %s took %.1f ms, ops %s",
                 rank,
-                plan.graph_kind,
-                graph_id,
+                ctx.graph_kind,
+                ctx.graph_id,
                 graph_pass.__name__,
                 elapsed * 1e3,
                 _diff(before, _op_counts(gm.graph)),
             )
         dump.write(f"{step:02d}_{graph_pass.__name__}", gm)
-    if plan.options.verify and plan.graph_kind != "joint":
-        verify(gm, plan, lowered=True)
-    return graph_id
+    if ctx.options.verify and ctx.graph_kind in _SCHEDULED:
+        verify(gm, ctx, lowered=True, guarded=insert_guard in passes)
 
 
 def _op_counts(graph: fx.Graph) -> Counter:
@@ -99,14 +103,11 @@ class Dumper:
     """Every graph before and after every pass: ``trace_structured`` artifacts (tlparse), and
     readable files under ``dump_dir`` (or ``$ZERO3_DUMP_DIR``) when set."""
 
-    def __init__(self, plan: Plan, graph_id: int, rank: int):
-        root = plan.options.dump_dir or os.environ.get("ZERO3_DUMP_DIR")
-        self.label = f"zero3_graph{graph_id:03d}_{plan.graph_kind}"
-        self.folder = (
-            os.path.join(root, f"rank{rank}", f"graph{graph_id:03d}_{plan.graph_kind}")
-            if root
-            else None
-        )
+    def __init__(self, ctx: PassContext, rank: int):
+        root = ctx.options.dump_dir or os.environ.get("ZERO3_DUMP_DIR")
+        name = f"graph{ctx.graph_id}_{ctx.graph_kind}"
+        self.label = f"zero3_{name}"
+        self.folder = os.path.join(root, f"rank{rank}", name) if root else None
 
     def write(self, name: str, gm: fx.GraphModule) -> None:
         trace_structured(

@@ -2,135 +2,64 @@
 
 ``shard(model)`` replaces every parameter by a ``DTensor`` with placement ``Shard(0)`` holding this
 rank's 1/N chunk (FSDP2's layout), under its original name, so optimizers, ``clip_grad_norm_``,
-``state_dict`` and ``torch.distributed.checkpoint`` see ordinary sharded parameters. Each module
-owning parameters gets a cached subclass with one property per parameter name: reading
-``module.weight`` returns the full tensor through the differentiable ``zero3::unshard`` operation,
-so unmodified forward code runs, eagerly or under ``torch.compile``.
+``state_dict`` and ``torch.distributed.checkpoint`` see ordinary sharded parameters.
+
+Every module of the model gets a class of its own, a subclass of its class generated for it:
+
+- one property per parameter name: reading ``module.weight`` returns the full tensor through the
+  differentiable ``zero3::unshard`` operation, so unmodified forward code runs, eagerly or under
+  ``torch.compile``. The getter is generated from ``MarkerArgs`` with the values as literals:
+  read from a closure or an attribute, dynamo would treat the shape integers as inputs and, on a
+  recompile, make them symbolic; literals are constants of the code.
+- ``__setattr__`` / ``register_parameter``: a parameter (or a module holding parameters) assigned
+  after ``shard()`` is sharded on assignment; assigning a sharded parameter ties it.
+- ``_apply``: ``model.to()``, ``.half()``, ``.float()`` work on the shards and re-attach the state.
+- ``__reduce_ex__``: ``torch.save(model)`` and ``copy.deepcopy(model)`` rebuild a sharded model
+  (with parameters of its own identity) instead of failing on an unimportable class.
+- recurrent modules (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) read their weights through the getters
+  for the length of one forward instead of caching full copies in ``_flat_weights``.
+
+The class name stays the original's, so code that looks at ``type(m).__name__`` sees no change.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
+from . import guard
 from .compat import group_backend, mesh_from_group
 from .mixed_precision import MixedPrecision, install_hooks
+from .param import (
+    ModuleState,
+    ShardedParam,
+    ShardRoot,
+    is_sharded,
+    module_state,
+    param_id_of,
+    set_module_state,
+    state_of,
+)
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """Static facts about one sharded parameter (the same on every rank)."""
-
-    name: str  # canonical fully qualified name (the first one, for tied parameters)
-    full_shape: tuple[int, ...]
-    group_name: str
-    world_size: int
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
+_BASE = "_zero3_base_class"
 
 
-_SPECS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # sharded nn.Parameter -> ParamSpec
-_CLASS_CACHE: dict[tuple, type] = {}
+def is_sharded_module(module: nn.Module) -> bool:
+    return module_state(module) is not None
 
 
-def is_sharded(param: torch.Tensor) -> bool:
-    return param in _SPECS
-
-
-def spec_of(param: torch.Tensor) -> ParamSpec | None:
-    return _SPECS.get(param)
-
-
-def _make_getter(attr: str, spec: ParamSpec):
-    """The property getter of one parameter: ``unshard`` of its local shard.
-
-    The getter is generated with the spec's values as literals: read from a closure or an
-    attribute, dynamo would treat the shape integers as inputs, and on a recompile mark them
-    dynamic (symbolic full shapes); literals are constants of the code. While gradient sync is
-    off (``set_requires_gradient_sync``) the full gradient goes to the parameter's sink instead.
-    """
-    args = (
-        f"{list(spec.full_shape)!r}, {spec.group_name!r}, {spec.world_size}, "
-        f"{_literal(spec.param_dtype)}, {_literal(spec.reduce_dtype)}, {spec.name!r}"
-    )
-    source = (
-        "def get_full_parameter(self):\n"
-        f"    shard = self._parameters[{attr!r}].to_local()\n"
-        "    if self._zero3_sync:\n"
-        f"        return torch.ops.zero3.unshard(shard, {args})\n"
-        f"    return torch.ops.zero3.unshard(shard, {args}, self._zero3_sinks[{attr!r}])\n"
-    )
-    namespace = {"torch": torch}
-    exec(compile(source, f"<zero3 parameter {spec.name}>", "exec"), namespace)
-    return namespace["get_full_parameter"]
-
-
-def _literal(dtype: torch.dtype | None) -> str:
-    return "None" if dtype is None else str(dtype)  # "torch.bfloat16"
-
-
-def _swap_class(module: nn.Module, specs: dict[str, ParamSpec]) -> None:
-    base = type(module)
-    key = (base, tuple(sorted(specs.items(), key=lambda kv: kv[0])))
-    cls = _CLASS_CACHE.get(key)
-    if cls is None:
-        attrs = {attr: property(_make_getter(attr, spec)) for attr, spec in specs.items()}
-        attrs["_zero3_base_class"] = base
-        attrs["_zero3_sync"] = True  # see accumulation.set_requires_gradient_sync
-        attrs["_zero3_sinks"] = None
-        attrs["__module__"] = base.__module__
-        cls = type(f"Zero3{base.__name__}", (base,), attrs)
-        _CLASS_CACHE[key] = cls
-    module.__class__ = cls
-
-
-def _check_can_shard(module: nn.Module) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "zero3: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group() (launch with torchrun, or set "
-            "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) before zero3_compile.shard(model)"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"zero3: shard() expects an nn.Module, got {type(module).__name__}")
-    named = list(module.named_parameters(remove_duplicate=False))
-    for name, param in named:
-        if is_sharded(param) or hasattr(type(_owner(module, name)), "_zero3_base_class"):
-            raise ValueError(
-                f"zero3: the model is already sharded (parameter {name!r}); call "
-                "zero3_compile.shard(model) once per model"
-            )
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"zero3: parameter {name!r} is already a DTensor (sharded by another tool such as "
-                "FSDP2 or tensor parallelism); zero3_compile.shard expects plain parameters"
-            )
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        where = {d: next(n for n, p in named if str(p.device) == d) for d in devices}
-        raise ValueError(
-            f"zero3: parameters are on different devices {where}; move the whole model to one "
-            "device (model.to(device)) before zero3_compile.shard(model)"
-        )
-    for name, param in named:
-        if param.dim() == 0:
-            raise ValueError(
-                f"zero3: parameter {name!r} is a 0-dim scalar, which cannot be sharded along dim 0; "
-                "store it with shape (1,) (e.g. nn.Parameter(value.reshape(1)))"
-            )
-
-
-def _owner(root: nn.Module, qualified_name: str) -> nn.Module:
-    module_path, _, _ = qualified_name.rpartition(".")
-    return root.get_submodule(module_path) if module_path else root
+def base_class(module: nn.Module) -> type:
+    """The module's class as the user defined it (before the swap)."""
+    cls = type(module)
+    return cls.__dict__.get(_BASE, cls)
 
 
 def shard(
@@ -141,6 +70,8 @@ def shard(
     reduce_dtype: torch.dtype | None = None,
     mp_policy: MixedPrecision | None = None,
     device: torch.device | str | None = None,
+    leaf_modules: Iterable[type | nn.Module] | None = None,
+    sync_timeout_s: float = guard.DEFAULT_TIMEOUT_S,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place along dim 0 over ``group``; return ``module``.
 
@@ -149,46 +80,44 @@ def shard(
     device: where shards of a model built on the ``meta`` device will live once
         ``zero3_compile.materialize(model)`` allocates them (default: the current CUDA device with
         NCCL, else CPU). Ignored for a model with real parameters.
+    leaf_modules: classes or modules whose parameters are gathered together when they are called
+        (see ``set_leaf_modules``); modules with a child named ``experts`` always are.
+    sync_timeout_s: how long a rank waits for the others at a cross-rank check before raising.
     """
     policy = _policy(param_dtype, reduce_dtype, mp_policy)
     _check_can_shard(module)
     group = group if group is not None else dist.group.WORLD
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     named = list(module.named_parameters(remove_duplicate=False))
-    if not named:
-        return module
-    device = _shard_device(named[0][1].device, device, group)
+    first_device = named[0][1].device if named else torch.device("cpu")
+    device = _shard_device(first_device, device, group)
     mesh = mesh_from_group(group, device.type)
+    guard.register_group(group, sync_timeout_s)
+    root = ShardRoot(group, mesh, policy, world_size, rank, device)
 
-    sharded: dict[int, nn.Parameter] = {}  # id(original parameter) -> sharded parameter
-    owners: dict[nn.Module, dict[str, ParamSpec]] = {}
+    canonical = {}  # id(original parameter) -> first name
     for name, param in named:
-        owner = _owner(module, name)
-        attr = name.rpartition(".")[2]
-        new = sharded.get(id(param))
-        if new is None:
-            spec = ParamSpec(
-                name=name,
-                full_shape=tuple(param.shape),
-                group_name=group.group_name,
-                world_size=world_size,
-                param_dtype=policy.param_dtype,
-                reduce_dtype=policy.reduce_dtype,
-            )
-            new = _shard_parameter(param, spec, mesh, rank)
-            sharded[id(param)] = new
-            _SPECS[new] = spec
-        owner._parameters[attr] = new
-        owners.setdefault(owner, {})[attr] = _SPECS[new]
-    for owner, specs in owners.items():
-        _swap_class(owner, specs)
+        canonical.setdefault(id(param), name)
+    states: dict[int, ShardedParam] = {}  # id(original parameter) -> state
+    for prefix, sub in module.named_modules():
+        own = {}
+        for attr, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            state = states.get(id(param))
+            if state is None:
+                state = _shard_parameter(param, canonical[id(param)], root)
+                states[id(param)] = state
+            sub._parameters[attr] = state.param
+            own[attr] = state
+        _make_sharded(sub, ModuleState(params=own, root=root, prefix=prefix))
     install_hooks(module, policy)
+    set_leaf_modules(module, list(leaf_modules or ()) + _detected_leaves(module))
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",
         rank,
         len(named),
-        len(sharded),
+        len(states),
         world_size,
     )
     return module
@@ -204,6 +133,42 @@ def _policy(param_dtype, reduce_dtype, mp_policy: MixedPrecision | None) -> Mixe
     return policy
 
 
+def _check_can_shard(module: nn.Module) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "zero3: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group() (launch with torchrun, or set "
+            "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) before zero3_compile.shard(model)"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"zero3: shard() expects an nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        if is_sharded_module(sub):
+            raise ValueError(
+                f"zero3: the model is already sharded (module {name or '<root>'!r}); call "
+                "zero3_compile.shard(model) once per model"
+            )
+    named = list(module.named_parameters(remove_duplicate=False))
+    for name, param in named:
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"zero3: parameter {name!r} is already a DTensor (sharded by another tool such as "
+                "FSDP2 or tensor parallelism); zero3_compile.shard expects plain parameters"
+            )
+        if param.dim() == 0:
+            raise ValueError(
+                f"zero3: parameter {name!r} is a 0-dim scalar, which cannot be sharded along dim 0; "
+                "store it with shape (1,) (e.g. nn.Parameter(value.reshape(1)))"
+            )
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        where = {d: next(n for n, p in named if str(p.device) == d) for d in devices}
+        raise ValueError(
+            f"zero3: parameters are on different devices {where}; move the whole model to one "
+            "device (model.to(device)) before zero3_compile.shard(model)"
+        )
+
+
 def _shard_device(param_device: torch.device, requested, group) -> torch.device:
     """The device shards live on: the parameters', or for meta parameters the requested one."""
     if param_device.type != "meta":
@@ -215,22 +180,53 @@ def _shard_device(param_device: torch.device, requested, group) -> torch.device:
     return torch.device("cpu")
 
 
-def _shard_parameter(param: nn.Parameter, spec: ParamSpec, mesh, rank: int) -> nn.Parameter:
+def _shard_parameter(param: nn.Parameter, fqn: str, root: ShardRoot) -> ShardedParam:
+    """The sharded parameter of ``param``: this rank's ``torch.chunk`` rows as a Shard(0) DTensor.
+
+    The user's ``nn.Parameter`` object itself becomes the sharded parameter (its contents are
+    swapped), so references held elsewhere (an optimizer built too early) stay valid.
+    """
+    if param.dim() == 0:
+        raise ValueError(
+            f"zero3: parameter {fqn!r} is a 0-dim scalar, which cannot be sharded along dim 0; "
+            "store it with shape (1,) (e.g. nn.Parameter(value.reshape(1)))"
+        )
     full = param.detach()
-    chunks = torch.chunk(full, spec.world_size, dim=0)
-    if rank < len(chunks):
-        local = chunks[rank].clone(memory_format=torch.contiguous_format)
+    chunks = torch.chunk(full, root.world_size, dim=0)
+    if root.rank < len(chunks):
+        local = chunks[root.rank].clone(memory_format=torch.contiguous_format)
     else:
         local = full.new_empty((0, *full.shape[1:]))
     dtensor = DTensor.from_local(
         local,
-        mesh,
+        root.mesh,
         [Shard(0)],
         run_check=False,
         shape=full.shape,
         stride=_contiguous_stride(full.shape),
     )
-    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    try:
+        torch.utils.swap_tensors(param, sharded)
+        sharded = param
+    except RuntimeError:  # a weak reference to the original (rare): keep the new object
+        pass
+    state = ShardedParam(
+        param_id=param_id_of(fqn, full.shape),
+        fqn=fqn,
+        full_shape=tuple(full.shape),
+        group_name=root.group.group_name,
+        world_size=root.world_size,
+        rank=root.rank,
+        policy=root.policy,
+        param=sharded,
+    )
+    state.attach(sharded)
+    # every rank knows every parameter: name the peers' eager collectives without the store
+    code = state.param_id
+    guard.describe(guard.KIND_EAGER_GATHER, code, repr(fqn), publish=False)
+    guard.describe(guard.KIND_EAGER_REDUCE, code, repr(fqn), publish=False)
+    return state
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -241,6 +237,349 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def sharded_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter, ParamSpec]]:
-    """(name, parameter, spec) for every unique sharded parameter of ``module``."""
-    return [(n, p, _SPECS[p]) for n, p in module.named_parameters() if is_sharded(p)]
+# --------------------------------------------------------------------------- the class swap
+
+
+# Generated classes are shared by modules with the same base class and the same parameter
+# markers (the same layer of two instances of a model), so dynamo reuses compiled code across
+# them; a class lives as long as a module uses it.
+_classes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _make_sharded(module: nn.Module, state: ModuleState) -> None:
+    set_module_state(module, state)
+    if isinstance(module, nn.RNNBase):
+        module.__dict__.pop("_flat_weights", None)  # full copies of the original weights
+        module.__dict__["_flat_weight_refs"] = []
+    _reclass(module)
+
+
+def _reclass(module: nn.Module) -> None:
+    """Give ``module`` the generated class matching its base class and its parameters."""
+    base = base_class(module)
+    params = module_state(module).params
+    key = (base, tuple(sorted((attr, state.marker.literal()) for attr, state in params.items())))
+    cls = _classes.get(key)
+    if cls is None:
+        namespace = {
+            _BASE: base,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__setattr__": _setattr,
+            "register_parameter": _register_parameter,
+            "_apply": _apply,
+            "__reduce_ex__": _reduce_ex,
+        }
+        if issubclass(base, nn.RNNBase):
+            namespace.update(_RNN_METHODS)
+        for attr, state in params.items():
+            namespace[attr] = property(_make_getter(attr, state))
+        cls = type(base.__name__, (base,), namespace)
+        _classes[key] = cls
+    module.__class__ = cls
+
+
+def _make_getter(attr: str, state: ShardedParam):
+    """The property getter of one parameter: ``unshard`` of its local shard.
+
+    Inside a leaf module's forward the full parameter was gathered with the whole block; while
+    gradient sync is off the full gradient goes to the parameter's sink instead of a collective.
+    Eager reads return a ``GatheredParameter`` that writes in-place changes back to the shard.
+    """
+    source = (
+        "def get_full_parameter(self):\n"
+        "    module_state = self.__dict__['_zero3']\n"
+        "    scope = module_state.scope\n"
+        f"    if scope is not None and {attr!r} in scope:\n"
+        f"        return scope[{attr!r}]\n"
+        f"    shard = self._parameters[{attr!r}].to_local()\n"
+        "    sink = None\n"
+        "    if not module_state.requires_sync:\n"
+        f"        sink = module_state.sink({attr!r})\n"
+        f"    full = unshard(shard, {state.marker.literal()}, sink)\n"
+        "    if is_compiling():\n"
+        "        return full\n"
+        f"    return gathered_parameter(full, module_state.params[{attr!r}])\n"
+    )
+    from .write_through import gathered_parameter
+
+    namespace = {
+        "unshard": torch.ops.zero3.unshard.default,
+        "is_compiling": torch.compiler.is_compiling,
+        "gathered_parameter": gathered_parameter,
+        "torch": torch,
+    }
+    exec(compile(source, f"<zero3 parameter {state.fqn}>", "exec"), namespace)
+    return namespace["get_full_parameter"]
+
+
+def _base_call(module: nn.Module, name: str, *args):
+    return getattr(type(module).__dict__[_BASE], name)(module, *args)
+
+
+def _setattr(self: nn.Module, name: str, value) -> None:
+    if isinstance(value, nn.Module) and not isinstance(value, nn.Parameter):
+        if any(not is_sharded_module(m) for m in value.modules()):
+            _shard_submodule(self, name, value)
+    _base_call(self, "__setattr__", name, value)
+    if name in self.__dict__.get("_parameters", {}) and value is None:
+        if module_state(self).params.pop(name, None) is not None:
+            _reclass(self)
+
+
+def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    state = module_state(self)
+    if param is not None and not is_sharded(param):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"zero3: cannot assign a DTensor parameter to {state.prefix or '<root>'}.{name}; "
+                "assign a plain nn.Parameter (it is sharded on assignment)"
+            )
+        fqn = f"{state.prefix}.{name}" if state.prefix else name
+        param = _shard_parameter(param, fqn, state.root).param
+    _base_call(self, "register_parameter", name, param)
+    if param is None:
+        state.params.pop(name, None)
+    else:
+        state.params[name] = state_of(param)
+    _reclass(self)
+
+
+def _shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
+    """A module assigned into a sharded model after ``shard()``: shard it the same way."""
+    state = module_state(parent)
+    root = state.root
+    prefix = f"{state.prefix}.{name}" if state.prefix else name
+    named = list(child.named_parameters(remove_duplicate=False))
+    canonical = {}
+    for sub_name, param in named:
+        canonical.setdefault(id(param), f"{prefix}.{sub_name}")
+    states: dict[int, ShardedParam] = {}
+    for sub_prefix, sub in child.named_modules():
+        if is_sharded_module(sub):
+            continue
+        own = {}
+        for attr, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            shared = state_of(param) or states.get(id(param))
+            if shared is None:
+                shared = _shard_parameter(param, canonical[id(param)], root)
+                states[id(param)] = shared
+            sub._parameters[attr] = shared.param
+            own[attr] = shared
+        full_prefix = f"{prefix}.{sub_prefix}" if sub_prefix else prefix
+        _make_sharded(sub, ModuleState(params=own, root=root, prefix=full_prefix))
+
+
+def _apply(self: nn.Module, fn, recurse: bool = True):
+    """``model.to()`` and friends: apply ``fn`` to the shards, re-attach the parameters' states
+    (``swap_tensors`` replaced their contents and attributes)."""
+    result = _base_call(self, "_apply", fn, recurse)
+    for attr, state in module_state(self).params.items():
+        param = self._parameters.get(attr)
+        if param is None:
+            continue
+        if not isinstance(param, DTensor) or tuple(param.shape) != state.full_shape:
+            raise RuntimeError(
+                f"zero3: {state.fqn} is no longer a sharded parameter of shape "
+                f"{state.full_shape} after module._apply(); only dtype and device changes are "
+                "supported on a sharded model"
+            )
+        state.attach(param)
+    return result
+
+
+# --------------------------------------------------------------------------- pickling
+
+
+def _reduce_ex(self: nn.Module, protocol):
+    base = type(self).__dict__[_BASE]
+    state = dict(self.__dict__)
+    module = module_state(self)
+    info = (module.requires_sync, module.prefix, module.root)
+    state.pop("_zero3", None)
+    return (_rebuild_module, (base, info), state)
+
+
+def _rebuild_module(base: type, info) -> nn.Module:
+    """The first half of unpickling a sharded module: an empty instance of a generated class
+    whose ``__setstate__`` re-attaches fresh parameter states (new ids) once the contents are in."""
+    module = base.__new__(base)
+    requires_sync, prefix, root = info
+    state = ModuleState(requires_sync=requires_sync, prefix=prefix, root=root)
+    set_module_state(module, state)
+    namespace = {
+        _BASE: base,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__setattr__": _setattr,
+        "register_parameter": _register_parameter,
+        "_apply": _apply,
+        "__reduce_ex__": _reduce_ex,
+        "__setstate__": _setstate,
+    }
+    if issubclass(base, nn.RNNBase):
+        namespace.update(_RNN_METHODS)
+    module.__class__ = type(base.__name__, (base,), namespace)
+    return module
+
+
+def _setstate(self: nn.Module, state: dict) -> None:
+    own = module_state(self)
+    base = type(self).__dict__[_BASE]
+    base.__setstate__(self, state) if hasattr(base, "__setstate__") else self.__dict__.update(state)
+    set_module_state(self, own)
+    self.__dict__.pop("_flat_weights", None)
+    for attr, param in self._parameters.items():
+        if param is not None:
+            own.params[attr] = _unpickled_state(param, own, attr)
+    _reclass(self)
+
+
+def _unpickled_state(param: nn.Parameter, module: ModuleState, attr: str) -> ShardedParam:
+    state = state_of(param)
+    if state is not None:  # tied: another module of this model re-attached it already
+        return state
+    root = module.root
+    mesh = param.device_mesh
+    fqn = f"{module.prefix}.{attr}" if module.prefix else attr
+    state = ShardedParam(
+        param_id=param_id_of(fqn, param.shape),
+        fqn=fqn,
+        full_shape=tuple(param.shape),
+        group_name=mesh.get_group().group_name,
+        world_size=mesh.size(),
+        rank=mesh.get_local_rank(),
+        policy=root.policy if root is not None else MixedPrecision(),
+        param=param,
+    )
+    state.attach(param)
+    return state
+
+
+# --------------------------------------------------------------------------- recurrent modules
+
+
+def _rnn_flat_weights(self):
+    bound = self.__dict__.get("_zero3_flat")
+    if bound is not None:
+        return bound
+    return [
+        getattr(self, wn) if self._parameters.get(wn) is not None else None
+        for wn in self._flat_weights_names
+    ]
+
+
+def _rnn_forward(self, *args, **kwargs):
+    # gather each weight once for this forward, drop the full copies when it ends
+    self.__dict__["_zero3_flat"] = _rnn_flat_weights(self)
+    try:
+        return type(self).__dict__[_BASE].forward(self, *args, **kwargs)
+    finally:
+        self.__dict__["_zero3_flat"] = None
+
+
+def _rnn_noop(self, *args, **kwargs) -> None:
+    return None
+
+
+def _rnn_init_flat_weights(self) -> None:
+    self.__dict__["_flat_weight_refs"] = []
+
+
+_RNN_METHODS = {
+    "_flat_weights": property(_rnn_flat_weights, _rnn_noop),
+    "forward": _rnn_forward,
+    "_init_flat_weights": _rnn_init_flat_weights,
+    "_update_flat_weights": _rnn_noop,
+    "flatten_parameters": _rnn_noop,
+    "_weights_have_changed": lambda self: False,
+}
+
+
+# --------------------------------------------------------------------------- leaf modules
+
+
+def set_leaf_modules(model: nn.Module, modules: Iterable[type | nn.Module]) -> list[nn.Module]:
+    """Gather the parameters of each given module (and of all its descendants) together, once,
+    when it is called, on every rank, whichever of them its forward then reads.
+
+    For blocks whose parameter reads depend on the data, a mixture-of-experts layer looping over
+    the experts that received tokens: without it, each rank would gather the experts it uses and
+    the ranks' collectives would differ. ``modules`` are classes (every instance in ``model``) or
+    module instances. Modules with a child named ``experts`` are leaves already. Returns the leaf
+    modules of ``model``.
+
+    Their full parameters stay alive for the block's whole forward (and, eagerly, until its
+    backward), as with DeepSpeed's leaf modules.
+    """
+    wanted_types = tuple(m for m in modules if isinstance(m, type))
+    wanted_ids = {id(m) for m in modules if isinstance(m, nn.Module)}
+    leaves = []
+    for sub in model.modules():
+        if not (isinstance(sub, wanted_types) or id(sub) in wanted_ids):
+            continue
+        state = module_state(sub)
+        if state is None:
+            raise ValueError(
+                f"zero3: set_leaf_modules needs a sharded model; call zero3_compile.shard(model) "
+                f"first ({type(sub).__name__} is not sharded)"
+            )
+        leaves.append(sub)
+        if any(ref() is sub for ref in state.root.leaves):
+            continue
+        state.root.leaves.append(weakref.ref(sub))
+        members = [
+            (module_state(owner), attr, owner)
+            for owner in sub.modules()
+            for attr in module_state(owner).params
+        ]
+        sub.register_forward_pre_hook(_leaf_enter(members))
+        sub.register_forward_hook(_leaf_exit(members), always_call=True)
+    return leaves
+
+
+def _detected_leaves(model: nn.Module) -> list[nn.Module]:
+    """Mixture-of-experts blocks: modules with a child named ``experts`` (Mixtral, Qwen2-MoE,
+    DeepSeek, OLMoE, Switch, and most hand-written ones)."""
+    return [m for m in model.modules() if "experts" in m._modules]
+
+
+def _leaf_enter(members):
+    def enter(module, args):
+        if any(state.scope is not None for state, _, _ in members):
+            return  # inside an enclosing leaf: gathered already
+        if torch.compiler.is_compiling() or not all(s.requires_sync for s, _, _ in members):
+            # traced: the passes bucket the markers; sync off: each gradient goes to its sink
+            fulls = [getattr(owner, attr) for _, attr, owner in members]
+        else:
+            fulls = _gather_eagerly(members)
+        for (state, attr, _), full in zip(members, fulls):
+            if state.scope is None:
+                state.scope = {}
+            state.scope[attr] = full
+
+    return enter
+
+
+def _leaf_exit(members):
+    def exit_(module, args, output):
+        for state, _, _ in members:
+            state.scope = None
+
+    return exit_
+
+
+def _gather_eagerly(members) -> list[torch.Tensor]:
+    from .ops import UnshardMany
+    from .write_through import gathered_parameter
+
+    unique: dict[int, ShardedParam] = {}
+    for state, attr, _ in members:
+        param_state = state.params[attr]
+        unique.setdefault(id(param_state), param_state)
+    params = list(unique.values())
+    fulls = UnshardMany.apply(tuple(p.marker for p in params), *[p.local() for p in params])
+    by_state = {id(p): gathered_parameter(f, p) for p, f in zip(params, fulls)}
+    return [by_state[id(state.params[attr])] for state, attr, _ in members]

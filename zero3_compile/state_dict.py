@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .shard import is_sharded
+from .param import is_sharded
 
 
 def full_state_dict(

@@ -8,6 +8,15 @@ python -m zero3_compile.inspect train.py --world 2        # run a script, report
 """
 
 from .explain import ExplainReport, explain
+from .measure import measure_peak_bytes
 from .report import GatherInfo, GraphReport, ReduceInfo, build_report
 
-__all__ = ["ExplainReport", "GatherInfo", "GraphReport", "ReduceInfo", "build_report", "explain"]
+__all__ = [
+    "ExplainReport",
+    "GatherInfo",
+    "GraphReport",
+    "ReduceInfo",
+    "build_report",
+    "explain",
+    "measure_peak_bytes",
+]

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..debug import record_graphs
-from ..shard import _SPECS
+from ..param import is_sharded
+from ..recording import record_graphs
 from .report import GraphReport, build_report, step_peak_bytes
 
 
@@ -74,7 +74,7 @@ class ExplainReport:
             from .plot import plot_graph
 
             for graph in self.graphs:
-                path = os.path.join(folder, f"graph{graph.graph_id:03d}_{graph.kind}.png")
+                path = os.path.join(folder, f"graph{graph.graph_id}_{graph.kind}.png")
                 if plot_graph(graph, path):
                     written.append(path)
         return written
@@ -102,7 +102,7 @@ def explain(
     # a new backend object: dynamo compiles fresh graphs instead of reusing the model's cache
     backend = functools.partial(zero3_backend, options=options)
     compiled = torch.compile(base, backend=backend)
-    grads = {p: p.grad for p in list(_SPECS.keys())}  # every sharded parameter, for any callable
+    grads = {p: p.grad for p in _sharded_parameters_of(base)}
     try:
         with record_graphs() as records:
             output = compiled(*args, **kwargs)
@@ -113,6 +113,33 @@ def explain(
         for param, grad in grads.items():
             param.grad = grad
     return ExplainReport([build_report(r) for r in records])
+
+
+def _sharded_parameters_of(fn) -> list[torch.Tensor]:
+    """The sharded parameters a module holds, or a function reaches (its bound object, closure
+    and globals): the ones whose gradients ``explain`` must leave as it found them."""
+    import inspect
+
+    if isinstance(fn, nn.Module):
+        roots = [fn]
+    else:
+        roots = []
+        bound = getattr(fn, "__self__", None)
+        if isinstance(bound, nn.Module):
+            roots.append(bound)
+        target = getattr(fn, "__func__", fn)
+        try:
+            names = inspect.getclosurevars(target)
+            values = [*names.nonlocals.values(), *names.globals.values()]
+        except TypeError:  # a builtin or a callable object without code
+            values = list(vars(fn).values()) if hasattr(fn, "__dict__") else []
+        roots.extend(v for v in values if isinstance(v, nn.Module))
+    seen: dict[int, torch.Tensor] = {}
+    for root in roots:
+        for param in root.parameters():
+            if is_sharded(param):
+                seen.setdefault(id(param), param)
+    return list(seen.values())
 
 
 def _sum_floating(output) -> torch.Tensor | None:

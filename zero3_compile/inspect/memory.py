@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..compat import ALL_GATHER, COLLECTIVES, WAIT
+from ..compat import ALL_GATHER, COLLECTIVES, WAIT, storage_key
 
 
 @dataclass
@@ -56,10 +55,10 @@ def memory_timeline(
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     end = len(nodes)
-    first: dict[StorageWeakRef, int] = {}
-    last: dict[StorageWeakRef, int] = {}
-    size: dict[StorageWeakRef, int] = {}
-    is_input: set[StorageWeakRef] = set()
+    first: dict[object, int] = {}
+    last: dict[object, int] = {}
+    size: dict[object, int] = {}
+    is_input: set[object] = set()
     outputs = {n for n in nodes if n.op == "output" for n in n.all_input_nodes}
     for node in nodes:
         if node.op == "output":
@@ -67,9 +66,9 @@ def memory_timeline(
         for tensor in _tensors(node.meta.get("val")):
             try:
                 storage = tensor.untyped_storage()
+                key = storage_key(tensor)
             except (NotImplementedError, RuntimeError):  # sparse or symbolic-size storages
                 continue
-            key = StorageWeakRef(storage)
             if key not in first:
                 first[key] = position[node]
                 size[key] = storage.nbytes() if isinstance(storage.nbytes(), int) else 0

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import operator
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.fx as fx
 
-from ..compat import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER
-from ..debug import GraphRecord
-from ..meta import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
+from ..compat import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER, group_backend, resolve_group
+from ..graph_facts import gathered_values, is_view
+from ..node_keys import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
+from ..recording import GraphRecord
 from .memory import memory_timeline
 
 
@@ -52,7 +52,7 @@ class SavedTensor:
 @dataclass
 class GraphReport:
     kind: str
-    graph_id: int
+    graph_id: str
     num_nodes: int
     gathers: list[GatherInfo] = field(default_factory=list)
     reductions: list[ReduceInfo] = field(default_factory=list)
@@ -114,31 +114,15 @@ def _nbytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _readers(start: fx.Node, stop_roles: tuple[str, ...] = ()) -> tuple[set[fx.Node], set[fx.Node]]:
-    """Values computed from ``start`` alone (views, copy-outs), and the nodes reading them."""
-    derived, frontier, readers = {start}, [start], set()
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user.op == "output":
-                readers.add(user)
-                continue
-            alone = user.op == "call_function" and set(user.all_input_nodes) <= derived
-            if alone and user.meta.get(ROLE) not in stop_roles:
-                derived.add(user)
-                frontier.append(user)
-            else:
-                readers.add(user)
-    return derived, readers
-
-
 def build_report(record: GraphRecord) -> GraphReport:
     """Everything a user wants to know about one scheduled graph."""
     gm = record.gm
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     kinds = [n.meta.get(ROLE, "compute") if n.op == "call_function" else n.op for n in nodes]
-    compute = [k == "compute" and not _is_view(n) for k, n in zip(kinds, nodes)]
+    compute = [
+        k == "compute" and n.op == "call_function" and not is_view(n) for k, n in zip(kinds, nodes)
+    ]
     report = GraphReport(
         kind=record.kind, graph_id=record.graph_id, num_nodes=len(nodes), node_kinds=kinds
     )
@@ -146,7 +130,7 @@ def build_report(record: GraphRecord) -> GraphReport:
     for node in nodes:
         if node.target is ALL_GATHER:
             (wait,) = node.users
-            _, readers = _readers(wait)
+            _, readers = gathered_values(wait)
             uses = [pos[r] for r in readers if r.meta.get(ROLE) != ROLE_GATHER_COPY_OUT]
             report.gathers.append(
                 GatherInfo(
@@ -205,12 +189,8 @@ def build_report(record: GraphRecord) -> GraphReport:
 
 def _backend_of(group_name: str) -> str | None:
     try:
-        import torch.distributed as dist
-
-        from ..compat import group_backend
-
-        return group_backend(dist.distributed_c10d._resolve_process_group(group_name))
-    except Exception:  # no process group here (a report built offline)
+        return group_backend(resolve_group(group_name))
+    except Exception:  # noqa: BLE001  - no process group here (a report built offline)
         return None
 
 
@@ -227,26 +207,6 @@ def _gradient_sources(reduce_scatter: fx.Node) -> list[fx.Node]:
         else:
             sources.append(node)
     return sources
-
-
-_VIEW_TARGETS = {
-    "view",
-    "_unsafe_view",
-    "t",
-    "transpose",
-    "permute",
-    "slice",
-    "select",
-    "expand",
-    "alias",
-    "unsqueeze",
-    "squeeze",
-}
-
-
-def _is_view(node: fx.Node) -> bool:
-    name = getattr(node.target, "__name__", "").split(".")[0]
-    return name in _VIEW_TARGETS or node.target is operator.getitem
 
 
 def step_peak_bytes(forward: GraphReport, backward: GraphReport | None) -> int:

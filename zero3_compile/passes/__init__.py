@@ -1,24 +1,33 @@
-"""Graph passes, one module each. Every pass is ``fn(gm, plan) -> None`` and mutates in place.
+"""Graph passes, one module each. Every pass is ``fn(gm, ctx: PassContext) -> None`` and
+mutates in place.
 
+Dynamo graph (before AOTAutograd): refuse_param_writes, hoist_shard_reads, dedupe_gathers
 Joint graph (before partitioning):  dedupe_gathers, tag_recompute
 Forward / backward graphs:          assign_buckets, lower_gathers, prefetch_gathers,
-                                    lower_reductions (backward only)
+                                    lower_reductions (backward only), insert_guard
 """
 
 from .bucketing import assign_buckets
 from .dedupe import dedupe_gathers
+from .hoist_reads import hoist_shard_reads
+from .insert_guard import insert_guard
 from .lower_gathers import lower_gathers
 from .lower_reductions import lower_reductions
+from .param_writes import refuse_param_writes
 from .prefetch import prefetch_gathers
 from .recompute import tag_recompute
-from .verify import verify
+from .verify import check_no_gathered_saved, verify
 
 __all__ = [
     "assign_buckets",
+    "check_no_gathered_saved",
     "dedupe_gathers",
+    "hoist_shard_reads",
+    "insert_guard",
     "lower_gathers",
     "lower_reductions",
     "prefetch_gathers",
+    "refuse_param_writes",
     "tag_recompute",
     "verify",
 ]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
+from ..arithmetic import gather_bytes, gather_dtype, reduce_bytes
+from ..context import PassContext
 from ..graph_utils import node_order
-from ..layout import ShardLayout
-from ..meta import BUCKET
-from ..ops import REDUCE_GRAD, UNSHARD, ReduceGradCall, UnshardCall
-from ..plan import Plan
+from ..node_keys import BUCKET
+from ..ops import REDUCE_GRAD, UNSHARD
+from ..param import ReduceGradCall, UnshardCall
 
 
 @dataclass
@@ -22,13 +22,13 @@ class Bucket:
     members: list[fx.Node] = field(default_factory=list)
 
 
-def assign_buckets(gm: fx.GraphModule, plan: Plan) -> None:
+def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Number the gather markers and the reduce markers into buckets, ``meta[BUCKET]``.
 
     **Invariant** after: every ``unshard`` marker with users and every ``reduce_grad`` marker has
     a bucket index; indices follow the order the collectives will be issued in (gathers: first
     use; reductions: when the gradient is complete). A bucket holds consecutive markers with the
-    same group and dtypes, from at most one block (see ``plan.block_of``), whose communicated bytes
+    same group and dtypes, from at most one block (see ``ctx.block_of``), whose communicated bytes
     stay within ``bucket_mb``; a single larger parameter gets a bucket of its own.
 
     ```
@@ -42,35 +42,33 @@ def assign_buckets(gm: fx.GraphModule, plan: Plan) -> None:
         n for n in graph.nodes if n.op == "call_function" and n.target is UNSHARD and n.users
     ]
     gathers.sort(key=lambda n: min(order[u] for u in n.users))
-    _number(_group(gathers, plan, _gather_traits), BUCKET)
+    _number(_group(gathers, ctx, _gather_traits))
     reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]
     reductions.sort(key=lambda n: order[ReduceGradCall.of(n).grad])
-    _number(_group(reductions, plan, _reduce_traits), BUCKET)
+    _number(_group(reductions, ctx, _reduce_traits))
 
 
 def _gather_traits(node: fx.Node) -> tuple[tuple, int, str]:
     call = UnshardCall.of(node)
-    dtype = call.param_dtype or call.shard.meta["val"].dtype
-    layout = ShardLayout(tuple(call.full_shape), call.world_size)
-    nbytes = layout.padded_numel * call.world_size * dtype.itemsize
-    return (call.group_name, call.world_size, dtype), nbytes, call.name
+    dtype = gather_dtype(call.shard.meta["val"].dtype, call.args.param_dtype)
+    args = call.args
+    return (args.group_name, args.world_size, dtype), gather_bytes([args.layout], dtype), args.fqn
 
 
 def _reduce_traits(node: fx.Node) -> tuple[tuple, int, str]:
     call = ReduceGradCall.of(node)
-    grad_val = call.grad.meta["val"]
-    dtype = call.reduce_dtype or grad_val.dtype
-    layout = ShardLayout(tuple(grad_val.shape), call.world_size)
-    nbytes = layout.padded_numel * call.world_size * dtype.itemsize
-    return (call.group_name, call.world_size, dtype, call.shard_dtype), nbytes, call.name
+    dtype = call.args.reduce_dtype or call.grad.meta["val"].dtype
+    args = call.args
+    key = (args.group_name, args.world_size, dtype, call.shard_dtype)
+    return key, reduce_bytes([args.layout], dtype), args.fqn
 
 
-def _group(nodes: list[fx.Node], plan: Plan, traits) -> list[Bucket]:
-    cap = plan.options.bucket_bytes
+def _group(nodes: list[fx.Node], ctx: PassContext, traits) -> list[Bucket]:
+    cap = ctx.options.bucket_bytes
     buckets: list[Bucket] = []
     for node in nodes:
         key, nbytes, name = traits(node)
-        block = plan.block_of(name) or None
+        block = ctx.block_of(name) or None
         current = buckets[-1] if buckets else None
         fits = (
             current is not None
@@ -87,11 +85,7 @@ def _group(nodes: list[fx.Node], plan: Plan, traits) -> list[Bucket]:
     return buckets
 
 
-def _number(buckets: list[Bucket], meta_key: str) -> None:
+def _number(buckets: list[Bucket]) -> None:
     for index, bucket in enumerate(buckets):
         for node in bucket.members:
-            node.meta[meta_key] = index
-
-
-def bucket_nbytes(dtype: torch.dtype, layouts: list[ShardLayout]) -> int:
-    return sum(layout.padded_numel * layout.world_size for layout in layouts) * dtype.itemsize
+            node.meta[BUCKET] = index

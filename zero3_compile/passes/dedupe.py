@@ -2,71 +2,105 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from ..compat import is_dtensor_to_local
-from ..graph_utils import VIEW_OPS
+from ..compat import set_grad_enabled_target
+from ..context import PassContext
 from ..ops import is_unshard
-from ..plan import Plan
-
-_VIEW_METHODS = {"view", "reshape"}
+from ..param import UnshardCall
 
 
-def dedupe_gathers(gm: fx.GraphModule, plan: Plan) -> None:
-    """Merge ``unshard`` markers of the same shard into the first one.
+def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Merge ``unshard`` markers of the same parameter into the first one.
 
-    **Invariant** after: at most one marker per (shard, options) in the graph. A tied parameter
+    The same parameter: the same ``param_id`` read from the same graph input (two instances of a
+    model, a student and its teacher, share ids but not inputs).
+
+    **Invariant** after: at most one marker per (parameter, sink) in the graph. A tied parameter
     (an embedding reused as the output head) or a module called twice is then gathered once,
     and autograd sums its gradient contributions before the single reduce-scatter, instead of
     paying one collective per use in both directions. Run on the dynamo graph, before
     AOTAutograd traces the backward (which would otherwise hold one reduce per use), and again
     on the joint graph.
 
+    The kept marker must record autograd when any of the merged ones did: when the first read
+    ran under ``torch.no_grad()`` and a later one with grad (a target computed by the same
+    layer), the kept marker and its shard read are wrapped in ``_set_grad_enabled(True)``.
+
     ```
-    before:  s = view(primals_1)        after:  s = view(primals_1)
-             a = unshard(s)                     a = unshard(s)
-             ...embedding(a)...                 ...embedding(a)...
-             s2 = view(primals_1)               ...linear(x, a)...
-             b = unshard(s2)
-             ...linear(x, b)...
+    before:                                 after:
+      _set_grad_enabled(False)                _set_grad_enabled(False)
+      s = to_local(p)                         _set_grad_enabled(True)
+      a = unshard(s, 7, ...)                  s = to_local(p)
+      y = linear(x, a)                        a = unshard(s, 7, ...)
+      _set_grad_enabled(True)                 _set_grad_enabled(False)
+      s2 = to_local(p)                        y = linear(x, a)
+      b = unshard(s2, 7, ...)                 _set_grad_enabled(True)
+      z = linear(y, b)                        z = linear(y, a)
     ```
     """
     graph = gm.graph
-    first: dict[tuple, fx.Node] = {}
+    grad_mode = set_grad_enabled_target()
+    grad_enabled = torch.is_grad_enabled()
+    first: dict[tuple, list] = {}  # key -> [kept marker, whether it records autograd]
     for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is grad_mode:
+            grad_enabled = bool(node.args[0])
+            continue
         if not is_unshard(node):
             continue
-        shard, *rest = node.args
-        rest += [node.kwargs[k] for k in sorted(node.kwargs)]
-        key = (_source(shard), tuple(tuple(a) if isinstance(a, list) else a for a in rest))
+        call = UnshardCall.of(node)
+        key = (_source(call.shard), call.args.param_id, call.grad_sink is None)
         kept = first.get(key)
         if kept is None:
-            first[key] = node
+            first[key] = [node, grad_enabled]
             continue
-        node.replace_all_uses_with(kept)
+        node.replace_all_uses_with(kept[0])
         graph.erase_node(node)
-        _erase_dead_views(graph, shard)
+        _erase_dead_reads(graph, call.shard)
+        if grad_enabled and not kept[1]:
+            _record_autograd(graph, kept[0])
+            kept[1] = True
     graph.lint()
 
 
-def _is_view(node: fx.Node) -> bool:
-    if is_dtensor_to_local(node):  # how the dynamo graph reads a parameter's shard
-        return True
-    if node.op == "call_function":
-        return node.target in VIEW_OPS
-    return node.op == "call_method" and node.target in _VIEW_METHODS
-
-
 def _source(node: fx.Node) -> fx.Node:
-    """The placeholder ``node`` views (through views and ``DTensor.to_local``), or itself."""
+    """The graph input a shard is read from: through ``to_local`` and views (single-input
+    nodes), up to a placeholder; the shard node itself when it is computed otherwise."""
     current = node
-    while _is_view(current):
-        current = current.args[0]
-    return current if current.op == "placeholder" else node
+    while isinstance(current, fx.Node) and current.op in ("call_method", "call_function"):
+        inputs = current.all_input_nodes
+        if len(inputs) != 1:
+            return node
+        current = inputs[0]
+    return current if isinstance(current, fx.Node) and current.op == "placeholder" else node
 
 
-def _erase_dead_views(graph: fx.Graph, node: fx.Node) -> None:
-    while _is_view(node) and not node.users:
-        source = node.args[0]
+def _erase_dead_reads(graph: fx.Graph, node) -> None:
+    """The shard read of a merged marker (``to_local`` and views), now unused."""
+    while isinstance(node, fx.Node) and node.op != "placeholder" and not node.users:
+        inputs = node.all_input_nodes
         graph.erase_node(node)
-        node = source
+        node = inputs[0] if len(inputs) == 1 else None
+
+
+def _record_autograd(graph: fx.Graph, marker: fx.Node) -> None:
+    """Run ``marker`` and its shard read with grad enabled, whatever the mode around them."""
+    grad_mode = set_grad_enabled_target()
+    chain = []
+    node = UnshardCall.of(marker).shard
+    # the shard read (to_local and views of a placeholder) moves next to the marker
+    while isinstance(node, fx.Node) and node.op != "placeholder" and len(node.users) == 1:
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            break
+        chain.append(node)
+        node = inputs[0]
+    for read in reversed(chain):
+        marker.prepend(read)
+    start = chain[-1] if chain else marker
+    with graph.inserting_before(start):
+        graph.call_function(grad_mode, (True,))
+    with graph.inserting_after(marker):
+        graph.call_function(grad_mode, (False,))

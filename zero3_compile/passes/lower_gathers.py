@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
-import torch
 import torch.fx as fx
 
+from .. import arithmetic
 from ..compat import ALL_GATHER, WAIT
-from ..graph_utils import VIEW_OPS, NodeFactory, node_order
-from ..layout import ShardLayout
-from ..meta import (
+from ..context import PassContext
+from ..graph_facts import is_view
+from ..graph_utils import NodeFactory, node_order
+from ..node_keys import (
     BUCKET,
     PARAMS,
     ROLE,
@@ -19,20 +21,18 @@ from ..meta import (
     ROLE_GATHER_COPY_OUT,
     ROLE_GATHER_WAIT,
 )
-from ..ops import UNSHARD, UnshardCall
-from ..plan import Plan
-
-aten = torch.ops.aten
-prims = torch.ops.prims
+from ..ops import UNSHARD
+from ..param import UnshardCall
 
 
-def lower_gathers(gm: fx.GraphModule, plan: Plan) -> None:
+def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Lower each gather bucket to copy-in, one all-gather, its wait and copy-outs.
 
     **Invariant** before: markers carry ``meta[BUCKET]`` (``assign_buckets``). After: no
     ``unshard`` marker is left; each bucket is one ``all_gather_into_tensor`` whose single user is
     its ``wait_tensor``, all placed right before the bucket's first use (the prefetch pass moves
-    the issue earlier). Shard views are hoisted to the top so issues can move freely.
+    the issue earlier). Shard views are hoisted to the top so issues can move freely. Copy-in and
+    copy-out are ``arithmetic.gather_copy_in`` / ``gather_copy_out``, traced and spliced in.
 
     ```
     before:                          after (bucket of w, b; world N):
@@ -79,7 +79,7 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
     for marker in markers:
         chain = []
         node = UnshardCall.of(marker).shard
-        while node.op == "call_function" and node.target in VIEW_OPS:
+        while is_view(node):
             chain.append(node)
             node = node.args[0]
         if node.op != "placeholder":
@@ -96,63 +96,27 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
 
 def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
     calls = [UnshardCall.of(m) for m in members]
-    world = calls[0].world_size
-    names = tuple(c.name for c in calls)
+    args = [c.args for c in calls]
+    names = tuple(a.fqn for a in args)
+    dtype = arithmetic.gather_dtype(calls[0].shard.meta["val"].dtype, args[0].param_dtype)
 
     def factory(role: str) -> NodeFactory:
         return NodeFactory(graph, source=members[0], **{ROLE: role, BUCKET: index, PARAMS: names})
 
-    copy_in = factory(ROLE_GATHER_COPY_IN)
-    if world == 1:
-        return [_single_rank_full(copy_in, c) for c in calls]
-
-    layouts = [ShardLayout(tuple(c.full_shape), world) for c in calls]
-    flats = []
-    for call, layout in zip(calls, layouts):
-        x = call.shard
-        if not x.meta["val"].is_contiguous():
-            x = copy_in(aten.clone.default, x, memory_format=torch.contiguous_format)
-        x = copy_in(aten.view.default, x, [-1])
-        if call.param_dtype is not None and call.param_dtype != x.meta["val"].dtype:
-            x = copy_in(prims.convert_element_type.default, x, call.param_dtype)
-        pad = layout.padded_numel - x.meta["val"].numel()
-        if pad:
-            x = copy_in(aten.constant_pad_nd.default, x, [0, pad], 0.0)
-        flats.append(x)
-    flat = flats[0] if len(flats) == 1 else copy_in(aten.cat.default, flats)
-    gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, calls[0].group_name)
-    waited = factory(ROLE_GATHER_WAIT)(WAIT, gathered)  # (world * bucket_numel,)
-
-    copy_out = factory(ROLE_GATHER_COPY_OUT)
-    if len(calls) == 1:
+    if args[0].world_size == 1:
         return [
-            _rows(
-                copy_out,
-                copy_out(aten.view.default, waited, list(layouts[0].gathered_shape())),
-                layouts[0],
+            factory(ROLE_GATHER_COPY_IN).splice(
+                functools.partial(arithmetic.single_rank_gather, dtype=dtype), [c.shard]
             )
+            for c in calls
         ]
-    bucket_numel = sum(layout.padded_numel for layout in layouts)
-    per_rank = copy_out(aten.view.default, waited, [world, bucket_numel])
-    fulls, offset = [], 0
-    for layout in layouts:
-        part = copy_out(aten.slice.Tensor, per_rank, 1, offset, offset + layout.padded_numel)
-        part = copy_out(aten.clone.default, part, memory_format=torch.contiguous_format)
-        part = copy_out(aten.view.default, part, list(layout.gathered_shape()))
-        fulls.append(_rows(copy_out, part, layout))
-        offset += layout.padded_numel
-    return fulls
-
-
-def _rows(copy_out: NodeFactory, gathered_rows: fx.Node, layout: ShardLayout) -> fx.Node:
-    """The first dim0 rows of the padded gathered buffer: the full parameter."""
-    if layout.rows_per_rank * layout.world_size == layout.dim0:
-        return gathered_rows
-    return copy_out(aten.slice.Tensor, gathered_rows, 0, 0, layout.dim0)
-
-
-def _single_rank_full(make: NodeFactory, call: UnshardCall) -> fx.Node:
-    x = call.shard
-    if call.param_dtype is not None and call.param_dtype != x.meta["val"].dtype:
-        x = make(prims.convert_element_type.default, x, call.param_dtype)
-    return x
+    layouts = [a.layout for a in args]
+    flat = factory(ROLE_GATHER_COPY_IN).splice(
+        lambda *shards: arithmetic.gather_copy_in(shards, layouts, dtype), [c.shard for c in calls]
+    )
+    world, group = args[0].world_size, args[0].group_name
+    gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, group)
+    waited = factory(ROLE_GATHER_WAIT)(WAIT, gathered)  # (world * bucket_numel,)
+    return factory(ROLE_GATHER_COPY_OUT).splice(
+        lambda g: arithmetic.gather_copy_out(g, layouts), [waited]
+    )

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import functools
 from collections import defaultdict
 
-import torch
 import torch.fx as fx
 
+from .. import arithmetic
 from ..compat import REDUCE_SCATTER, WAIT
+from ..context import PassContext
 from ..graph_utils import NodeFactory, move_users_after, node_order, output_node
-from ..layout import ShardLayout
-from ..meta import (
+from ..node_keys import (
     BUCKET,
     PARAMS,
     ROLE,
@@ -20,14 +20,11 @@ from ..meta import (
     ROLE_REDUCE_SCATTER,
     ROLE_REDUCE_WAIT,
 )
-from ..ops import REDUCE_GRAD, ReduceGradCall
-from ..plan import Plan
-
-aten = torch.ops.aten
-prims = torch.ops.prims
+from ..ops import REDUCE_GRAD
+from ..param import ReduceGradCall
 
 
-def lower_reductions(gm: fx.GraphModule, plan: Plan) -> None:
+def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Lower each reduce bucket to copy-in, one sum reduce-scatter, its wait and copy-outs.
 
     **Invariant** before: ``reduce_grad`` markers carry ``meta[BUCKET]`` in readiness order
@@ -61,7 +58,7 @@ def lower_reductions(gm: fx.GraphModule, plan: Plan) -> None:
     for index in sorted(buckets):
         order = node_order(graph)
         members = sorted(buckets[index], key=order.__getitem__)
-        if ReduceGradCall.of(members[0]).world_size == 1:
+        if ReduceGradCall.of(members[0]).args.world_size == 1:
             for marker in members:  # in place: no collective to wait for
                 with graph.inserting_before(marker):
                     shards = _emit_single_rank(graph, index, [marker])
@@ -72,7 +69,7 @@ def lower_reductions(gm: fx.GraphModule, plan: Plan) -> None:
             first_issue, scattered = _emit_issue(graph, index, members)
         issued.append((members, first_issue, scattered))
 
-    depth = plan.options.reduce_scatter_depth
+    depth = ctx.options.reduce_scatter_depth
     out = output_node(graph)
     for j, (members, _, scattered) in enumerate(issued):
         anchor = issued[j + depth][1] if j + depth < len(issued) else out
@@ -91,41 +88,28 @@ def _replace(members: list[fx.Node], shards: list[fx.Node], graph: fx.Graph) -> 
 
 
 def _factory(graph: fx.Graph, role: str, index: int, members: list[fx.Node]) -> NodeFactory:
-    names = tuple(ReduceGradCall.of(m).name for m in members)
+    names = tuple(ReduceGradCall.of(m).args.fqn for m in members)
     return NodeFactory(graph, source=members[0], **{ROLE: role, BUCKET: index, PARAMS: names})
+
+
+def _dtype(call: ReduceGradCall):
+    return call.args.reduce_dtype or call.grad.meta["val"].dtype
 
 
 def _emit_issue(graph: fx.Graph, index: int, members: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
     """Copy-in and reduce-scatter; returns (first node emitted, the reduce-scatter)."""
     calls = [ReduceGradCall.of(m) for m in members]
-    world = calls[0].world_size
+    layouts = [c.args.layout for c in calls]
+    dtype = _dtype(calls[0])
     copy_in = _factory(graph, ROLE_REDUCE_COPY_IN, index, members)
-    pieces = []
-    for call in calls:
-        grad_val = call.grad.meta["val"]
-        layout = ShardLayout(tuple(grad_val.shape), world)
-        x = call.grad
-        if call.reduce_dtype is not None and call.reduce_dtype != grad_val.dtype:
-            x = copy_in(prims.convert_element_type.default, x, call.reduce_dtype)
-        if not x.meta["val"].is_contiguous():
-            x = copy_in(aten.clone.default, x, memory_format=torch.contiguous_format)
-        x = copy_in(aten.view.default, x, [-1])
-        pad = layout.padded_numel * world - layout.full_numel
-        if pad:
-            x = copy_in(aten.constant_pad_nd.default, x, [0, pad], 0.0)
-        if len(calls) > 1:
-            x = copy_in(aten.view.default, x, [world, layout.padded_numel])
-        pieces.append(x)
-    if len(pieces) > 1:
-        flat = copy_in(aten.cat.default, pieces, 1)  # (world, bucket_numel)
-        flat = copy_in(aten.view.default, flat, [-1])
-    else:
-        flat = pieces[0]
-    scattered = _factory(graph, ROLE_REDUCE_SCATTER, index, members)(
-        REDUCE_SCATTER, flat, "sum", world, calls[0].group_name
+    flat = copy_in.splice(
+        lambda *grads: arithmetic.reduce_copy_in(grads, layouts, dtype), [c.grad for c in calls]
     )
-    first = copy_in.created[0] if copy_in.created else scattered
-    return first, scattered
+    first = calls[0].args
+    scattered = _factory(graph, ROLE_REDUCE_SCATTER, index, members)(
+        REDUCE_SCATTER, flat, "sum", first.world_size, first.group_name
+    )
+    return (copy_in.created[0] if copy_in.created else scattered), scattered
 
 
 def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
@@ -133,32 +117,24 @@ def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> li
     copy_out = _factory(graph, ROLE_REDUCE_COPY_OUT, index, members)
     shards = []
     for call in (ReduceGradCall.of(m) for m in members):
-        x = call.grad
-        if call.reduce_dtype is not None and call.reduce_dtype != x.meta["val"].dtype:
-            x = copy_out(prims.convert_element_type.default, x, call.reduce_dtype)
-        x = copy_out(aten.view.default, x, list(call.shard_shape))
-        if x.meta["val"].dtype != call.shard_dtype:
-            x = copy_out(prims.convert_element_type.default, x, call.shard_dtype)
-        shards.append(x)
+        fn = functools.partial(
+            arithmetic.single_rank_reduce,
+            reduce_dtype=_dtype(call),
+            shape=list(call.shard_shape),
+            dtype=call.shard_dtype,
+        )
+        shards.append(copy_out.splice(fn, [call.grad]))
     return shards
 
 
 def _emit_finish(graph: fx.Graph, members: list[fx.Node], scattered: fx.Node) -> list[fx.Node]:
     """Wait, then per member: this rank's slice of the sum, divided by the world size."""
     calls = [ReduceGradCall.of(m) for m in members]
-    world = calls[0].world_size
     index = scattered.meta[BUCKET]
     waited = _factory(graph, ROLE_REDUCE_WAIT, index, members)(WAIT, scattered)  # (bucket_numel,)
-    copy_out = _factory(graph, ROLE_REDUCE_COPY_OUT, index, members)
-    shards, offset = [], 0
-    for call in calls:
-        layout = ShardLayout(tuple(call.grad.meta["val"].shape), world)
-        local_numel = math.prod(call.shard_shape)
-        x = copy_out(aten.slice.Tensor, waited, 0, offset, offset + local_numel)
-        x = copy_out(aten.view.default, x, list(call.shard_shape))
-        x = copy_out(aten.div.Tensor, x, world)
-        if x.meta["val"].dtype != call.shard_dtype:
-            x = copy_out(prims.convert_element_type.default, x, call.shard_dtype)
-        shards.append(x)
-        offset += layout.padded_numel
-    return shards
+    layouts = [c.args.layout for c in calls]
+    shapes = [list(c.shard_shape) for c in calls]
+    dtypes = [c.shard_dtype for c in calls]
+    return _factory(graph, ROLE_REDUCE_COPY_OUT, index, members).splice(
+        lambda reduced: arithmetic.reduce_copy_out(reduced, layouts, shapes, dtypes), [waited]
+    )

@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..compat import ALL_GATHER
-from ..graph_utils import VIEW_OPS, move_before, node_order
-from ..meta import (
+from ..context import PassContext
+from ..graph_facts import is_view, view_root
+from ..graph_utils import move_before, node_order
+from ..node_keys import (
     BUCKET,
     ROLE,
     ROLE_ALL_GATHER,
     ROLE_GATHER_COPY_IN,
     ROLE_GATHER_COPY_OUT,
     ROLE_GATHER_WAIT,
+    ROLE_GUARD,
 )
-from ..plan import Plan
 
 
 @dataclass
@@ -28,7 +30,7 @@ class _Gather:
     nbytes: int = 0
 
 
-def prefetch_gathers(gm: fx.GraphModule, plan: Plan) -> None:
+def prefetch_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Move each bucket's copy-in and all-gather ahead of its wait, within the prefetch budget.
 
     **Invariant** before: each gather bucket is issue nodes then wait then copy-outs, issued right
@@ -55,8 +57,8 @@ def prefetch_gathers(gm: fx.GraphModule, plan: Plan) -> None:
         return
     order = node_order(graph)
     ordered = sorted(gathers.values(), key=lambda g: order[g.wait])
-    depth = plan.options.prefetch_depth
-    cap = plan.options.max_inflight_bytes
+    depth = ctx.options.prefetch_depth
+    cap = ctx.options.max_inflight_bytes
     slots = _choose_slots(ordered, depth, cap)
     top = _first_compute_node(graph)
     for gather, slot in zip(ordered, slots):
@@ -136,13 +138,9 @@ def _first_compute_node(graph: fx.Graph) -> fx.Node:
             ROLE_ALL_GATHER,
         ):
             continue
-        if node.op == "call_function" and node.target in VIEW_OPS and _views_placeholder(node):
+        if is_view(node) and view_root(node).op == "placeholder":
+            continue
+        if node.meta.get(ROLE) == ROLE_GUARD:
             continue
         return node
     raise AssertionError("zero3: graph has no output node")
-
-
-def _views_placeholder(node: fx.Node) -> bool:
-    while node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node.op == "placeholder"

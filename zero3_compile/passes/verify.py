@@ -1,39 +1,44 @@
-"""Invariants of a scheduled graph, checked after every pass."""
+"""Invariants of a scheduled graph, checked after every pass, and of the partition."""
 
 from __future__ import annotations
 
 import torch.fx as fx
 
 from ..compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from ..context import PassContext
+from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
-from ..meta import PARAM_DERIVED, ROLE, ROLE_GATHER_COPY_OUT, ROLE_GATHER_WAIT
-from ..ops import REDUCE_GRAD, UNSHARD
-from ..plan import Plan
+from ..ops import GUARD, REDUCE_GRAD, UNSHARD
 
 
 class ScheduleError(AssertionError):
     """A pass broke an invariant of the schedule (a bug in zero3_compile, please report it)."""
 
 
-def verify(gm: fx.GraphModule, plan: Plan, *, lowered: bool = False) -> None:
+def verify(
+    gm: fx.GraphModule, ctx: PassContext, *, lowered: bool = False, guarded: bool = False
+) -> None:
     """Check the invariants every pass must keep.
 
     **Invariant** checked:
     - the graph is well formed (``graph.lint``: every use after its definition);
     - every collective has exactly one user, its ``wait_tensor``, and every wait reads a collective;
-    - once lowered (``lowered=True``), no marker is left;
+    - once lowered (``lowered=True``), no marker is left; once guarded (``guarded=True``), a graph
+      with collectives runs exactly one cross-rank guard, before the first of them;
     - every gathered buffer of the backward graph dies in it: no gathered parameter, nor anything
       computed from gathered parameters alone, is an output. Codegen (FX and Inductor alike) frees
       a value right after its last use, so this is what "released after last use" requires. (The
-      forward graph's saved outputs are checked where they are known, in the partitioner.)
+      forward graph's saved outputs: ``check_no_gathered_saved``.)
     """
     graph = gm.graph
     graph.lint()
     order = node_order(graph)
+    collectives = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target in (ALL_GATHER, REDUCE_SCATTER):
+            collectives.append(node)
             users = list(node.users)
             if len(users) != 1 or users[0].target is not WAIT:
                 raise ScheduleError(
@@ -49,18 +54,29 @@ def verify(gm: fx.GraphModule, plan: Plan, *, lowered: bool = False) -> None:
                 raise ScheduleError(f"zero3: wait {node.name} does not read a collective")
         elif lowered and node.target in (UNSHARD, REDUCE_GRAD):
             raise ScheduleError(f"zero3: marker {node.name} survived lowering")
-    if plan.graph_kind == "backward":
+    if guarded and collectives:
+        guards = [n for n in graph.nodes if n.target is GUARD]
+        if len(guards) != 1 or order[guards[0]] > min(order[c] for c in collectives):
+            raise ScheduleError("zero3: the cross-rank guard must run before the first collective")
+    if ctx.graph_kind == "backward":
+        derived = param_derived(graph)
         for out in output_node(graph).all_input_nodes:
-            if _is_gathered(out):
+            if out in derived:
                 raise ScheduleError(
-                    f"zero3: gathered parameter {out.name} is an output of the {plan.graph_kind} "
+                    f"zero3: gathered parameter {out.name} is an output of the {ctx.graph_kind} "
                     "graph, so it would stay alive after its last use"
                 )
 
 
-def _is_gathered(node: fx.Node) -> bool:
-    if node.meta.get(ROLE) in (ROLE_GATHER_WAIT, ROLE_GATHER_COPY_OUT):
-        return True
-    if node.target is UNSHARD or node.meta.get(PARAM_DERIVED):
-        return True
-    return False
+def check_no_gathered_saved(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Fail if the partitioner saved a gathered parameter (or a function of gathered parameters
+    alone) for backward: with ``reshard_after_forward`` backward must gather again."""
+    graph = fw_module.graph
+    derived = param_derived(graph)
+    outputs = output_node(graph).args[0]
+    saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
+    gathered = [n.name for n in saved if n in derived]
+    if gathered:
+        raise ScheduleError(
+            f"zero3: the partitioner saved gathered parameters for backward: {gathered}"
+        )

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .shard import _SPECS, is_sharded, spec_of
+from .param import module_state, state_of
+from .shard import base_class
 
 
 def materialize(
@@ -45,21 +46,22 @@ def _apply_post_order(module: nn.Module, fn: Callable[[nn.Module], None]) -> Non
 
 
 def _materialize_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
+    state = module_state(module)
     own = {
         name: param
         for name, param in module._parameters.items()
-        if param is not None and is_sharded(param)
+        if param is not None and state_of(param) is not None
     }
     if not own:
         if init_fn is not None:
             init_fn(module)
         return
     swapped_class = type(module)
-    base = getattr(swapped_class, "_zero3_base_class", swapped_class)
+    base = base_class(module)
     device = _target_device(own.values())
     full = {
         name: nn.Parameter(
-            torch.empty(spec_of(p).full_shape, dtype=p.dtype, device=device),
+            torch.empty(state.params[name].full_shape, dtype=p.dtype, device=device),
             requires_grad=p.requires_grad,
         )
         for name, p in own.items()
@@ -119,10 +121,8 @@ def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.dev
             ),
             requires_grad=param.requires_grad,
         )
-        spec = _SPECS.pop(param)  # swap_tensors refuses tensors that weak references point to
-        try:
-            torch.utils.swap_tensors(param, real)
-        finally:
-            _SPECS[param] = spec
+        state = state_of(param)
+        torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
+        state.attach(param)
     else:
         param.to_local().copy_(local)

@@ -1,4 +1,7 @@
-"""The only place ``node.meta`` keys of this package are defined (all namespaced ``zero3_*``)."""
+"""The only place ``node.meta`` keys of this package are defined (all namespaced ``zero3_*``).
+
+(Named for FX node metadata, not for the ``meta`` device.)
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ PARAMS = "zero3_params"
 # Set on joint-graph nodes computed from gathered parameters alone (recomputed in backward).
 PARAM_DERIVED = "zero3_param_derived"
 
+ROLE_GUARD = "guard"
 ROLE_GATHER_COPY_IN = "gather_copy_in"
 ROLE_ALL_GATHER = "all_gather"
 ROLE_GATHER_WAIT = "gather_wait"
@@ -20,9 +24,14 @@ ROLE_REDUCE_SCATTER = "reduce_scatter"
 ROLE_REDUCE_WAIT = "reduce_wait"
 ROLE_REDUCE_COPY_OUT = "reduce_copy_out"
 
-GATHER_ISSUE_ROLES = (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER)
-REDUCE_ISSUE_ROLES = (ROLE_REDUCE_COPY_IN, ROLE_REDUCE_SCATTER)
-REDUCE_FINISH_ROLES = (ROLE_REDUCE_WAIT, ROLE_REDUCE_COPY_OUT)
+GATHER_ROLES = (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER, ROLE_GATHER_WAIT, ROLE_GATHER_COPY_OUT)
+COMMUNICATION_ROLES = GATHER_ROLES + (
+    ROLE_REDUCE_COPY_IN,
+    ROLE_REDUCE_SCATTER,
+    ROLE_REDUCE_WAIT,
+    ROLE_REDUCE_COPY_OUT,
+    ROLE_GUARD,
+)
 
 # On a partitioned forward GraphModule's ``meta``: how many of its outputs are the user's
 # (the rest are saved for backward).

@@ -1,0 +1,67 @@
+"""What a pass may read (``PassContext``) and what one ``torch.compile`` backend call owns
+(``CompileContext``: graph ids, the graphs it produced, the recorders listening)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .options import Options
+
+GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
+
+
+def block_of(name: str) -> str:
+    """The repeated block a parameter belongs to: its name up to the first numeric component.
+
+    ``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``; parameters outside any
+    ``ModuleList``/``Sequential`` index (embeddings, final norm, head) belong to the root, "".
+    Buckets never mix two different non-root blocks; root parameters join any bucket.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """The frozen record of everything a pass may read: the options, which graph it is, policies."""
+
+    options: Options = field(default_factory=Options)
+    graph_kind: str = "forward"
+    block_of: Callable[[str], str] = block_of
+    graph_id: str = ""
+    owner: int = -1  # the CompileContext (backend call) the graph belongs to
+
+    def for_graph(self, graph_kind: str, graph_id: str = "") -> PassContext:
+        if graph_kind not in GRAPH_KINDS:
+            raise ValueError(f"zero3: unknown graph kind {graph_kind!r}")
+        return replace(self, graph_kind=graph_kind, graph_id=graph_id or self.graph_id)
+
+
+_backend_calls = itertools.count()
+
+
+@dataclass
+class CompileContext:
+    """One call of the backend (one dynamo graph): its options, the graphs it scheduled, and
+    what the runtime needs to know about them."""
+
+    options: Options
+    recorders: list[Any] = field(default_factory=list)  # recording.GraphRecorder
+    index: int = field(default_factory=lambda: next(_backend_calls))
+    graphs: int = 0
+    # user input index -> user outputs its gradient comes from (None: unknown), per joint graph
+    gradient_dependencies: dict[int, frozenset[int] | None] = field(default_factory=dict)
+
+    def next_graph_id(self, kind: str) -> str:
+        graph_id = f"{self.index}.{self.graphs}"
+        self.graphs += 1
+        return graph_id
+
+    def passes(self, graph_kind: str, graph_id: str = "") -> PassContext:
+        return PassContext(options=self.options, owner=self.index).for_graph(graph_kind, graph_id)

@@ -1,0 +1,186 @@
+"""Facts about graph nodes, each defined once: what is a view, what is computed from gathered
+parameters alone, which values a gather produced, what a gradient depends on.
+
+Structural on purpose: they read the ops and the data flow, never the tags the passes set, which
+Inductor's own joint-graph passes may drop when they rewrite a node.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+from .compat import ALL_GATHER, COLLECTIVES, WAIT, desc_input_index, desc_tangent_output, node_desc
+from .ops import GUARD, REDUCE_GRAD, UNSHARD
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` returns a view of (shares storage with) its first input.
+
+    An ATen op whose schema marks its result as an alias of an input (``view``, ``t``, ``slice``,
+    ``expand``, ``reshape``...), ``wait_tensor`` (returns its input), and ``getitem`` of such a
+    multi-output view (``split``, ``unbind``).
+    """
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is WAIT:
+        return True
+    if target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and is_view(source)
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        if schema.is_mutable:
+            return False
+        return any(ret.alias_info is not None for ret in schema.returns)
+    return False
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a chain of views of (``node`` itself when it is no view)."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def is_gather_wait(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not WAIT:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.target is ALL_GATHER
+
+
+def recomputable(node: fx.Node) -> bool:
+    """Cheap to run again from its inputs with the same result: no collective, no randomness,
+    no mutation."""
+    target = node.target
+    if target in (REDUCE_GRAD, GUARD) or target in COLLECTIVES or target is WAIT:
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+        if target._schema.is_mutable:
+            return False
+    return True
+
+
+def param_derived(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value is a gathered parameter or a function of gathered parameters and
+    constants alone (``t(w)``, ``w.to(bf16)``, ``embedding(w_pos, arange(n))``).
+
+    Sources are ``unshard`` markers (unlowered graphs) and all-gather waits (lowered graphs).
+    Such a value can always be recomputed from the shards, so it must never be saved for
+    backward (``reshard_after_forward``) nor outlive the graph.
+    """
+    derived: set[fx.Node] = set()
+    constant: set[fx.Node] = set()
+    shards = shard_inputs(graph)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is UNSHARD or is_gather_wait(node):
+            derived.add(node)
+            continue
+        if not recomputable(node):
+            continue
+        inputs = node.all_input_nodes
+        if all(i in constant for i in inputs):
+            constant.add(node)
+        elif any(i in derived for i in inputs) and all(
+            i in derived or i in constant or i in shards for i in inputs
+        ):
+            derived.add(node)
+    return derived
+
+
+def constants(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from nothing (``arange``, ``ones``, ``full``...) and their recomputable
+    functions."""
+    constant: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and recomputable(node):
+            if all(i in constant for i in node.all_input_nodes):
+                constant.add(node)
+    return constant
+
+
+def shard_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Placeholders holding shards: read (through views) by a marker or an all-gather's input."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.target is UNSHARD:
+            found.add(view_root(node.args[0]))
+        elif node.target is ALL_GATHER:
+            found.update(ancestor_placeholders(node))
+    return {n for n in found if n.op == "placeholder"}
+
+
+def ancestor_placeholders(node: fx.Node) -> set[fx.Node]:
+    return {n for n in ancestors(node) if n.op == "placeholder"}
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for inp in stack.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                stack.append(inp)
+    return seen
+
+
+def gathered_values(
+    wait: fx.Node, stop: Iterable[fx.Node] = ()
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The values computed from an all-gather's wait alone (views, copy-outs, transposes) and the
+    nodes reading them. The gathered buffer dies after the last reader."""
+    stop = set(stop)
+    derived, frontier, readers = {wait}, [wait], set()
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            alone = user.op == "call_function" and set(user.all_input_nodes) <= derived
+            if alone and user not in stop and recomputable(user):
+                if user not in derived:
+                    derived.add(user)
+                    frontier.append(user)
+            else:
+                readers.add(user)
+    return derived, readers
+
+
+def gradient_dependencies(joint: fx.GraphModule) -> dict[int, frozenset[int] | None]:
+    """For each user input that receives a gradient: the user outputs whose gradients it is
+    computed from (None when that cannot be told: a mutated input, an aliased output...).
+
+    Read from AOTAutograd's descriptors of the joint graph's tangents and outputs.
+    """
+    graph = joint.graph
+    tangents = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            desc = node_desc(node)
+            if desc is not None and type(desc).__name__ == "TangentAOTInput":
+                tangents[node] = desc_tangent_output(desc)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    descs = output.meta.get("desc")
+    values = output.args[0]
+    if not isinstance(descs, (list, tuple)) or len(descs) != len(values):
+        return {}
+    deps: dict[int, frozenset[int] | None] = {}
+    for value, desc in zip(values, descs):
+        if desc is None or type(desc).__name__ != "GradAOTOutput" or not isinstance(value, fx.Node):
+            continue
+        index = desc_input_index(desc)
+        if index is None:
+            continue
+        outputs = {tangents[t] for t in ancestors(value) | {value} if t in tangents}
+        known = None if None in outputs else frozenset(outputs)
+        previous = deps.get(index, frozenset())
+        deps[index] = None if known is None or previous is None else previous | known
+    return deps

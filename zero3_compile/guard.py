@@ -1,0 +1,246 @@
+"""The cross-rank check that every rank is about to issue the same collectives.
+
+Collectives only work when every rank issues the same ones in the same order; a rank that
+does not (a rank-dependent branch, a mixture-of-experts loop that reads other experts' weights on
+each rank, a graph that runs more often on one rank) hangs every rank or, when the sizes happen to
+agree, silently mixes unrelated buffers. gloo even aborts the process when sizes differ.
+
+So before each unit of collectives (a compiled graph's run, an eager gather or reduce-scatter),
+every rank exchanges a small fixed-size record over a side gloo group: what it is about to do
+(kind and a code: the digest of a graph's collective sequence, or a parameter's name and shape).
+All records equal: go on. Otherwise every rank raises ``CollectiveMismatchError`` naming what each
+rank was about to do, before any collective of the main group was issued. The check compares
+what is issued, not how often each rank compiled: a rank that recompiles alone (another sequence
+length) produces the same digest and passes.
+
+The same exchange carries, for a backward graph, which of its outputs received a gradient on
+each rank (``presence``): a parameter gets ``grad is None`` when no rank's loss reached it.
+
+A rank that does not arrive within the timeout (it died, or it is stuck somewhere else) turns
+into an error naming it on the others, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .compat import default_store, group_backend, resolve_group, side_all_gather
+
+log = logging.getLogger(__name__)
+
+KIND_FORWARD = 1
+KIND_BACKWARD = 2
+KIND_INFERENCE = 3
+KIND_EAGER_GATHER = 4
+KIND_EAGER_REDUCE = 5
+KIND_NAMES = {
+    KIND_FORWARD: "forward graph",
+    KIND_BACKWARD: "backward graph",
+    KIND_INFERENCE: "inference graph",
+    KIND_EAGER_GATHER: "eager all-gather",
+    KIND_EAGER_REDUCE: "eager reduce-scatter",
+}
+
+_HEADER = 4  # magic, kind, code, sequence number
+_PRESENCE_WORDS = 12
+_BITS = 62  # presence bits per int64 word (clear of the sign bit)
+MAX_PRESENCE = _PRESENCE_WORDS * _BITS
+_WORDS = _HEADER + _PRESENCE_WORDS
+_MAGIC = 0x2E803
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks were about to issue different collectives (raised on every rank)."""
+
+
+class _GroupGuard:
+    """The side group of one process group, and this rank's running count of checks."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
+        self.group_name = group.group_name
+        self.ranks = dist.get_process_group_ranks(group)
+        self.side = dist.new_group(
+            self.ranks, backend="gloo", timeout=timedelta(seconds=max(timeout_s, 1.0))
+        )
+        self.count = 0
+        self.timeout_s = timeout_s
+
+
+_guards: dict[str, _GroupGuard] = {}  # process group name -> its guard (torch keeps groups alike)
+_labels: dict[tuple[int, int], str] = {}  # (kind, code) -> what this rank knows it to be
+_published: set[tuple[int, int]] = set()
+
+
+def register_group(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Create the side group of ``group`` (a collective call: every rank of ``group`` at once)."""
+    if group.group_name in _guards or dist.get_world_size(group) == 1:
+        return
+    if group_backend(group) == "fake":
+        return
+    _guards[group.group_name] = _GroupGuard(group, timeout_s)
+
+
+def describe(kind: int, code: int, label: str, publish: bool = True) -> None:
+    """Remember (and publish for the peers' error messages) what a (kind, code) stands for."""
+    key = (kind, code)
+    _labels.setdefault(key, label)
+    if not publish or key in _published:
+        return
+    _published.add(key)
+    store = default_store()
+    if store is not None:
+        try:
+            store.set(f"zero3/label/{kind}/{code}", label)
+        except Exception:  # noqa: BLE001  - only the error messages would be poorer
+            log.debug("zero3: could not publish the label of %s", key, exc_info=True)
+
+
+def enabled(group_name: str) -> bool:
+    return group_name in _guards
+
+
+def check(
+    group_name: str,
+    kind: int,
+    code: int,
+    label: str,
+    presence: list[bool] | None = None,
+    timeout_s: float | None = None,
+) -> list[bool] | None:
+    """Exchange (kind, code) with every rank of the group; raise unless all are equal.
+
+    Returns, when ``presence`` is given, the element-wise OR of every rank's presence bits.
+    """
+    guard = _guards.get(group_name)
+    if guard is None:
+        return presence
+    describe(kind, code, label, publish=kind not in (KIND_EAGER_GATHER, KIND_EAGER_REDUCE))
+    guard.count += 1
+    record = torch.zeros(_WORDS, dtype=torch.int64)
+    record[0], record[1], record[2], record[3] = _MAGIC, kind, code, guard.count
+    if presence is not None:
+        for word, value in enumerate(_pack(presence)):
+            record[_HEADER + word] = value
+    gathered = torch.empty(len(guard.ranks) * _WORDS, dtype=torch.int64)
+    timeout = guard.timeout_s if timeout_s is None else timeout_s
+    try:
+        side_all_gather(gathered, record, guard.side, timeout)
+    except Exception as error:  # noqa: BLE001  (timeout, or a peer's connection closed)
+        raise CollectiveMismatchError(_lost_peer_message(guard, label, timeout, error)) from error
+    records = gathered.view(len(guard.ranks), _WORDS)
+    me = guard.ranks.index(dist.get_rank())
+    mine = (kind, code)
+    differing = [
+        i for i in range(len(guard.ranks)) if (int(records[i, 1]), int(records[i, 2])) != mine
+    ]
+    if differing:
+        raise CollectiveMismatchError(_mismatch_message(guard, records, me, differing))
+    if presence is None:
+        return None
+    union = [False] * len(presence)
+    for i in range(len(guard.ranks)):
+        for j, bit in enumerate(_unpack(records[i, _HEADER:].tolist(), len(presence))):
+            union[j] = union[j] or bit
+    return union
+
+
+def _pack(presence: list[bool]) -> list[int]:
+    words = [0] * _PRESENCE_WORDS
+    for j, bit in enumerate(presence[:MAX_PRESENCE]):
+        if bit:
+            words[j // _BITS] |= 1 << (j % _BITS)
+    return words
+
+
+def _unpack(words: list[int], n: int) -> list[bool]:
+    # beyond the record's capacity every output counts as present (plain torch.compile semantics)
+    return [j >= MAX_PRESENCE or bool(words[j // _BITS] >> (j % _BITS) & 1) for j in range(n)]
+
+
+def _what(kind: int, code: int) -> str:
+    label = _labels.get((kind, code))
+    if label is None:
+        store = default_store()
+        key = f"zero3/label/{kind}/{code}"
+        try:
+            if store is not None and store.check([key]):
+                label = store.get(key).decode()
+        except Exception:  # noqa: BLE001
+            label = None
+    name = KIND_NAMES.get(kind, f"kind {kind}")
+    return f"{name} {label}" if label else f"{name} (code {code:#x}, not known on this rank)"
+
+
+def _mismatch_message(guard: _GroupGuard, records: torch.Tensor, me: int, differing) -> str:
+    lines = [
+        "zero3: the ranks are about to issue different collectives, which would hang them or mix "
+        "unrelated buffers:"
+    ]
+    for i, rank in enumerate(guard.ranks):
+        kind, code, count = (int(v) for v in records[i, 1:4])
+        you = " (this rank)" if i == me else ""
+        lines.append(f"  rank {rank}{you}, check #{count}: {_what(kind, code)}")
+    kinds = {int(records[i, 1]) for i in range(len(guard.ranks))}
+    if kinds & {KIND_EAGER_GATHER, KIND_EAGER_REDUCE}:
+        lines.append(
+            "Parameters read by code that runs eagerly (an uncompiled model, or code split off by "
+            "a graph break) are gathered at each read. When which parameters are read depends on "
+            "the data (a mixture-of-experts loop over the experts that received tokens), gather "
+            "the whole block on every rank: zero3_compile.set_leaf_modules(model, [BlockClass]) "
+            "(modules with an 'experts' child are detected automatically)."
+        )
+    else:
+        lines.append(
+            "Every rank must run the same compiled graphs in the same order. A graph that runs a "
+            "data-dependent number of times (a loop over the experts that received tokens, split "
+            "by graph breaks) needs its block gathered as a whole: "
+            "zero3_compile.set_leaf_modules(model, [BlockClass]); a rank-dependent branch in "
+            "forward must go."
+        )
+    return "\n".join(lines)
+
+
+def _lost_peer_message(guard: _GroupGuard, label: str, timeout: float, error: Exception) -> str:
+    alive = _responding_ranks(guard)
+    silent = [r for r in guard.ranks if r not in alive]
+    who = f"rank(s) {silent}" if silent else "a peer rank"
+    return (
+        f"zero3: rank {dist.get_rank()} waited for every rank at check #{guard.count} "
+        f"({label}), but {who} did not arrive within {timeout:.0f}s or lost its connection "
+        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). The rank "
+        "died, is stuck, or is running other code; stopping instead of hanging."
+    )
+
+
+def _responding_ranks(guard: _GroupGuard, wait_s: float = 2.0) -> set[int]:
+    """Ranks that answer a roll call in the store within ``wait_s`` (best effort)."""
+    store = default_store()
+    if store is None:
+        return set(guard.ranks)
+    prefix = f"zero3/rollcall/{guard.group_name}/{guard.count}/"
+    try:
+        store.set(prefix + str(dist.get_rank()), "1")
+    except Exception:  # noqa: BLE001  - the store itself is gone (rank 0 died)
+        return {dist.get_rank()}
+    deadline = time.monotonic() + wait_s
+    alive: set[int] = set()
+    while time.monotonic() < deadline:
+        try:
+            alive = {r for r in guard.ranks if store.check([prefix + str(r)])}
+        except Exception:  # noqa: BLE001
+            break
+        if len(alive) == len(guard.ranks):
+            break
+        time.sleep(0.1)
+    return alive | {dist.get_rank()}
+
+
+def group_of(group_name: str) -> dist.ProcessGroup:
+    return resolve_group(group_name)

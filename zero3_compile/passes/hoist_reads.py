@@ -1,0 +1,74 @@
+"""Read shards outside activation-checkpointing regions."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..compat import checkpoint_hops, is_dtensor_to_local
+from ..context import PassContext
+
+
+def hoist_shard_reads(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Move ``DTensor.to_local()`` of parameters out of checkpointed regions (dynamo graph).
+
+    **Invariant** after: the body of a ``torch.utils.checkpoint`` region (and of ``wrap``) takes
+    plain shards, never a ``DTensor`` parameter, as input. A ``DTensor`` entering a region makes
+    AOTAutograd save its ``DeviceMesh`` among the region's tensors (and fail) as soon as the region
+    holds attention.
+
+    ```
+    before:                                   after:
+      out = tag_activation_checkpoint(          s = p.to_local()
+          body, p, x)                           out = tag_activation_checkpoint(body, s, x)
+      body(p, x):                               body(s, x):
+        s = p.to_local()                          w = unshard(s, ...)
+        w = unshard(s, ...)
+    ```
+    """
+    _hoist(gm)
+
+
+def _hoist(gm: fx.GraphModule) -> None:
+    hops = checkpoint_hops()
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in hops:
+            continue
+        body_ref = node.args[0]
+        if not (isinstance(body_ref, fx.Node) and body_ref.op == "get_attr"):
+            continue
+        body = getattr(gm, body_ref.target)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        _hoist(body)  # nested regions first
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        operands = list(node.args[1:])
+        if len(placeholders) != len(operands):
+            continue
+        for i, (ph, operand) in enumerate(zip(placeholders, operands)):
+            if not ph.users or not all(is_dtensor_to_local(u) for u in ph.users):
+                continue
+            if not isinstance(operand, fx.Node):
+                continue
+            reads = list(ph.users)
+            with gm.graph.inserting_before(node):
+                local = gm.graph.call_method("to_local", (operand,))
+            _copy_value_meta(reads[0], local)
+            for read in reads:
+                read.replace_all_uses_with(ph)
+                body.graph.erase_node(read)
+            _copy_value_meta(reads[0], ph)
+            operands[i] = local
+        node.args = (body_ref, *operands)
+        body.graph.lint()
+        body.recompile()
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _copy_value_meta(source: fx.Node, target: fx.Node) -> None:
+    for key in ("example_value", "val", "tensor_meta"):
+        if key in source.meta:
+            target.meta[key] = source.meta[key]

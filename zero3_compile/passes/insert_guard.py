@@ -1,0 +1,50 @@
+"""Put the cross-rank check in front of a scheduled graph's collectives."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import guard
+from ..context import PassContext
+from ..graph_utils import NodeFactory
+from ..node_keys import ROLE, ROLE_GUARD
+from ..ops import GUARD
+from ..signature import collective_signature, describe_signature, signature_code
+
+_KINDS = {
+    "forward": guard.KIND_FORWARD,
+    "backward": guard.KIND_BACKWARD,
+    "inference": guard.KIND_INFERENCE,
+}
+
+
+def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Insert ``zero3::guard(group, kind, code, label)`` after the placeholders.
+
+    **Invariant** after: a graph that issues collectives runs exactly one guard before any of
+    them; its code is the digest of the graph's collective sequence (kinds, groups, sizes,
+    dtypes), so the ranks compare what they are about to issue, not how often each compiled.
+    A graph without collectives is unchanged.
+
+    ```
+    before:                              after:
+      primals_1 = placeholder()            primals_1 = placeholder()
+      flat = view(primals_1, [-1])         guard(group, 1, 0x5e0c..., "0.1 ...", 0)
+      ag = all_gather(flat, 2, group)      flat = view(primals_1, [-1])
+                                           ag = all_gather(flat, 2, group)
+    ```
+    """
+    graph = gm.graph
+    signature = collective_signature(graph)
+    if not signature:
+        return
+    group_name = signature[0][1]
+    code = signature_code(signature)
+    label = f"{ctx.graph_id} ({describe_signature(signature, graph)})"
+    guard.describe(_KINDS[ctx.graph_kind], code, label)
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(anchor):
+        NodeFactory(graph, **{ROLE: ROLE_GUARD})(
+            GUARD, group_name, _KINDS[ctx.graph_kind], code, label, ctx.owner
+        )
+    graph.lint()

@@ -1,0 +1,77 @@
+"""Access to what the backend compiled: the scheduled graphs and Inductor's generated code.
+
+```python
+with zero3_compile.record_graphs() as records:
+    loss_fn(compiled(x)).backward()
+for record in records:          # one GraphRecord per compiled forward / backward graph
+    print(record.kind, record.gm.code, record.source_code)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .graph_utils import output_node
+from .node_keys import NUM_USER_OUTPUTS
+
+
+@dataclass
+class GraphRecord:
+    """One graph the backend compiled, as handed to codegen (after every pass)."""
+
+    kind: str  # "forward", "backward" or "inference"
+    graph_id: str  # "<backend call>.<graph>", unique in the process
+    gm: fx.GraphModule
+    source_code: str | None = None  # Inductor's generated wrapper code (codegen="inductor")
+
+    @property
+    def saved(self) -> list[fx.Node]:
+        """Forward graph outputs saved for backward (empty for other graphs)."""
+        count = self.gm.meta.get(NUM_USER_OUTPUTS)
+        if self.kind != "forward" or count is None:
+            return []
+        outputs = output_node(self.gm.graph).args[0]
+        return [n for n in outputs[count:] if isinstance(n, fx.Node)]
+
+
+class Recorder:
+    """Receives every GraphRecord compiled while it is listening."""
+
+    def __init__(self) -> None:
+        self.records: list[GraphRecord] = []
+
+    def add(self, record: GraphRecord) -> None:
+        self.records.append(record)
+
+
+_listening: list[Recorder] = []
+
+
+def listen(recorder: Recorder) -> None:
+    _listening.append(recorder)
+
+
+def stop_listening(recorder: Recorder) -> None:
+    if recorder in _listening:
+        _listening.remove(recorder)
+
+
+def listening() -> list[Recorder]:
+    """The recorders listening now (a backend call keeps the ones active when it started)."""
+    return list(_listening)
+
+
+@contextlib.contextmanager
+def record_graphs() -> Iterator[list[GraphRecord]]:
+    """Collect a ``GraphRecord`` for every graph compiled inside the ``with`` block."""
+    recorder = Recorder()
+    listen(recorder)
+    try:
+        yield recorder.records
+    finally:
+        stop_listening(recorder)

@@ -1,0 +1,157 @@
+"""What runs around a compiled graph: the cross-rank guard, and ``grad is None`` where eager
+would leave it so.
+
+AOTAutograd's backward receives zeros for forward outputs the loss did not use (autograd
+materialises missing gradients), so every parameter input gets a gradient, zeros where eager
+training leaves ``grad is None``; optimizers with momentum or weight decay would then move
+parameters eager training does not touch. The backward graph knows which user outputs each
+parameter's gradient is computed from (``graph_facts.gradient_dependencies``); at run time a
+pre-hook on AOTAutograd's backward node sees which outputs really received a gradient, the
+backward guard makes that the union over ranks, and a parameter whose outputs all went unused on
+every rank gets no gradient (``_Gate``). Gradients still flow through the same collectives on
+every rank, so the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import guard
+from .compat import compiled_function_offset, is_compiled_function_node
+from .param import state_of
+
+log = logging.getLogger(__name__)
+
+_pending = threading.local()  # owner (CompileContext index) -> the CallState whose backward runs
+
+
+class CallState:
+    """One forward call of a compiled graph with gated parameters, until its backward."""
+
+    def __init__(self, owner: int, num_outputs: int, dependencies: list[frozenset[int]]):
+        self.owner = owner
+        self.num_outputs = num_outputs
+        self.dependencies = dependencies
+        self.presence: list[bool] | None = None
+        self.absent: list[bool] | None = None
+
+    def on_backward(self, offset: int | None, grad_outputs) -> None:
+        """Pre-hook of AOTAutograd's backward node: which user outputs received a gradient."""
+        if offset is None or offset + self.num_outputs > len(grad_outputs):
+            self.presence = None
+        else:
+            self.presence = [
+                g is not None for g in grad_outputs[offset : offset + self.num_outputs]
+            ]
+        calls = getattr(_pending, "calls", None)
+        if calls is None:
+            calls = _pending.calls = {}
+        calls[self.owner] = self
+
+    def decide(self, union: list[bool] | None) -> None:
+        if union is None:
+            self.absent = [False] * len(self.dependencies)
+            return
+        self.absent = [not any(union[j] for j in deps) for deps in self.dependencies]
+
+    def is_absent(self, k: int) -> bool:
+        if self.absent is None:  # no guard ran (a single rank): this rank's presence decides
+            self.decide(self.presence)
+        return self.absent[k]
+
+
+def run_graph_guard(group_name: str, kind: int, code: int, label: str, owner: int) -> None:
+    """The body of ``zero3::guard``: the cross-rank check, with the backward's presence bits."""
+    call = None
+    if kind == guard.KIND_BACKWARD:
+        call = getattr(_pending, "calls", {}).pop(owner, None)
+    presence = call.presence if call is not None else None
+    union = guard.check(group_name, kind, code, label, presence=presence)
+    if call is not None:
+        call.decide(union if presence is not None else None)
+
+
+class _Gate(torch.autograd.Function):
+    """Identity on a parameter; its backward drops the gradient when no rank produced one."""
+
+    @staticmethod
+    def forward(ctx, param, call: CallState, k: int):
+        ctx.call, ctx.k = call, k
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None if ctx.call.is_absent(ctx.k) else grad), None, None
+
+
+class GatedCall:
+    """The callable handed back to dynamo: AOTAutograd's compiled function, with the parameters
+    whose gradient may be structurally absent passed through ``_Gate``."""
+
+    def __init__(self, compiled: Callable, compile_ctx, num_outputs: int):
+        self.compiled = compiled
+        self.compile_ctx = compile_ctx
+        self.num_outputs = num_outputs
+        self._gated: list[tuple[int, frozenset[int]]] | None = None
+
+    def _plan(self, args) -> list[tuple[int, frozenset[int]]]:
+        deps = self.compile_ctx.gradient_dependencies
+        with_tangents = frozenset(j for d in deps.values() if d is not None for j in d)
+        if len({id(a) for a in args}) != len(args):  # duplicated inputs: indices are ambiguous
+            return []
+        gated = []
+        for index, outputs in sorted(deps.items()):
+            if outputs is None or index >= len(args) or outputs == with_tangents:
+                continue
+            if state_of(args[index]) is not None and args[index].requires_grad:
+                gated.append((index, outputs))
+        return gated
+
+    def __call__(self, *args):
+        if self._gated is None:
+            self._gated = self._plan(args)
+            if self._gated:
+                log.debug(
+                    "zero3: graph %d: %d parameter(s) may end without a gradient",
+                    self.compile_ctx.index,
+                    len(self._gated),
+                )
+        if not self._gated or not torch.is_grad_enabled():
+            return self.compiled(*args)
+        call = CallState(
+            self.compile_ctx.index, self.num_outputs, [deps for _, deps in self._gated]
+        )
+        args = list(args)
+        for k, (index, _) in enumerate(self._gated):
+            args[index] = _Gate.apply(args[index], call, k)
+        outputs = self.compiled(*args)
+        node = _compiled_function_node(outputs)
+        if node is None:
+            call.decide(None)  # cannot tell: every gradient counts as present
+        else:
+            node.register_prehook(
+                functools.partial(call.on_backward, compiled_function_offset(node))
+            )
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
+def _compiled_function_node(outputs) -> Any:
+    tensors = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    frontier = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for _ in range(4):
+        next_frontier = []
+        for node in frontier:
+            if is_compiled_function_node(node):
+                return node
+            next_frontier.extend(fn for fn, _ in node.next_functions if fn is not None)
+        frontier = next_frontier
+    return None

@@ -1,0 +1,165 @@
+"""What a scheduled graph will issue: its collective signature, a digest of it, and checks that
+Inductor's generated code issues (and waits for) the collectives as scheduled."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+
+import torch.fx as fx
+
+from .compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from .node_keys import PARAMS
+
+log = logging.getLogger(__name__)
+
+
+def collective_signature(graph: fx.Graph) -> list[tuple]:
+    """(kind, group, world size, elements, dtype) for every collective, in graph order."""
+    signature = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+            continue
+        tensor = node.args[0].meta["val"]
+        if node.target is ALL_GATHER:
+            kind, world, group = "all_gather", node.args[1], node.args[2]
+        else:
+            kind, world, group = f"reduce_scatter_{node.args[1]}", node.args[2], node.args[3]
+        signature.append((kind, str(group), int(world), int(tensor.numel()), str(tensor.dtype)))
+    return signature
+
+
+def signature_code(signature: list[tuple]) -> int:
+    """A 62-bit digest of a collective signature (equal on ranks that issue the same)."""
+    digest = hashlib.sha256(repr(signature).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def describe_signature(signature: list[tuple], graph: fx.Graph | None = None) -> str:
+    counts: dict[str, int] = {}
+    for kind, *_ in signature:
+        counts[kind] = counts.get(kind, 0) + 1
+    text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no collectives"
+    if graph is not None:
+        names = [
+            name
+            for node in graph.nodes
+            if node.target in (ALL_GATHER, REDUCE_SCATTER)
+            for name in node.meta.get(PARAMS, ())
+        ]
+        if names:
+            shown = ", ".join(names[:3])
+            text += f"; parameters {shown}{', ...' if len(names) > 3 else ''}"
+    return text
+
+
+_CALL = re.compile(
+    r"^\s*(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\("
+)
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
+_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
+_GUARD = re.compile(r"torch\.ops\.zero3\.guard\.default\(")
+
+
+def generated_events(source_code: str) -> list[tuple[str, int]]:
+    """The collective events of Inductor's generated wrapper code, in order: ("issue", k) and
+    ("wait", k) for the k-th collective issued, and ("guard", -1)."""
+    body = source_code.split("def call(", 1)[-1]
+    events: list[tuple[str, int]] = []
+    buffers: dict[str, int] = {}
+    for line in body.splitlines():
+        call = _CALL.match(line)
+        if call:
+            buffers[call.group(1)] = len(buffers)
+            events.append(("issue", buffers[call.group(1)]))
+            continue
+        wait = _WAIT.search(line)
+        if wait and wait.group(1) in buffers:
+            events.append(("wait", buffers[wait.group(1)]))
+            continue
+        if _GUARD.search(line):
+            events.append(("guard", -1))
+    return events
+
+
+def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
+    """What ``generated_events`` must find for ``graph``."""
+    from .ops import GUARD
+
+    issued: dict[fx.Node, int] = {}
+    events: list[tuple[str, int]] = []
+    for node in graph.nodes:
+        if node.target in (ALL_GATHER, REDUCE_SCATTER):
+            issued[node] = len(issued)
+            events.append(("issue", issued[node]))
+        elif node.target is WAIT and node.args[0] in issued:
+            events.append(("wait", issued[node.args[0]]))
+        elif node.target is GUARD:
+            events.append(("guard", -1))
+    return events
+
+
+def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]:
+    """(kind, output elements or None) of each collective in Inductor's generated wrapper code.
+
+    The output size comes from Inductor's ``assert_size_stride`` line (None when size asserts are
+    off). Kinds use the names of ``collective_signature``.
+    """
+    order: list[tuple[str, int | None]] = []
+    pending: dict[str, int] = {}
+    for line in source_code.splitlines():
+        call = _CALL.match(line)
+        if call:
+            kind = "all_gather" if call.group(2) == "all_gather_into_tensor" else "reduce_scatter"
+            pending[call.group(1)] = len(order)
+            order.append((kind, None))
+            continue
+        size = _SIZE.match(line)
+        if size and size.group(1) in pending:
+            index = pending.pop(size.group(1))
+            numel = math.prod(int(d) for d in size.group(2).replace(" ", "").split(",") if d)
+            order[index] = (order[index][0], numel)
+    return order
+
+
+def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
+    """What ``generated_collective_order`` must find for ``graph``: kinds and output sizes."""
+    kinds = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+    return [
+        (kinds[node.target], int(node.meta["val"].numel()))
+        for node in graph.nodes
+        if node.op == "call_function" and node.target in kinds
+    ]
+
+
+class GeneratedOrderError(RuntimeError):
+    """Inductor's generated code does not issue the collectives as scheduled."""
+
+
+def check_generated_order(graph: fx.Graph, source_code: str | None, label: str) -> None:
+    """Raise if Inductor's generated code issues the collectives in another order than ``graph``,
+    or runs the cross-rank guard after one of them.
+
+    All ranks run the same passes, but Inductor sees rank-specific shapes (uneven shards), so a
+    reordering there could differ between ranks and hang them; this turns that into an error.
+    """
+    expected = expected_collective_order(graph)
+    if not expected or source_code is None:
+        return
+    found = generated_collective_order(source_code)
+    if not found:
+        log.warning("zero3: could not read the collective order of %s from Inductor's code", label)
+        return
+    same = len(found) == len(expected) and all(
+        fk == ek and (fn is None or fn == en) for (fk, fn), (ek, en) in zip(found, expected)
+    )
+    events = generated_events(source_code)
+    guard_first = bool(events) and events[0] == ("guard", -1)
+    if not same or not guard_first:
+        raise GeneratedOrderError(
+            f"zero3: Inductor reordered the collectives of {label}: scheduled "
+            f"{scheduled_events(graph)}, generated {events} ({found}). This could hang ranks; "
+            "use options={'codegen': 'eager'} and please report it."
+        )

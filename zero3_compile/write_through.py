@@ -1,0 +1,103 @@
+"""Eager reads of ``module.weight`` return the full tensor; writes to it must reach the shards.
+
+Users write to parameters after wrapping all the time: ``model.apply(init_fn)``,
+``module.reset_parameters()``, ``module.weight.mul_(2)`` under ``no_grad``,
+``module.bias.data.fill_(0.5)``, EMA updates. A gathered temporary would swallow those writes
+silently. So an eager read returns the gathered tensor as a ``GatheredParameter``: any op that
+changes it in place (directly or through a view, ``.data`` included) writes this rank's chunk of
+the result back into the shard. Every rank runs the same write on the same full value, so the
+shards stay consistent (random initialisers draw the full tensor from each rank's generator, as
+the unsharded model would).
+
+Reading ``.grad`` gives the sharded parameter's gradient, and ``requires_grad_`` / the
+``requires_grad`` setter act on the sharded parameter: the temporary has neither a gradient nor a
+say in training. Inside ``torch.compile`` the getter returns the plain traced value and in-place
+writes to parameters are refused at compile time (``passes/param_writes.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .param import ShardedParam
+
+
+class _Link:
+    """The gathered root tensor a ``GatheredParameter`` (or a view of it) belongs to."""
+
+    __slots__ = ("root", "state")
+
+    def __init__(self, root: torch.Tensor, state: ShardedParam):
+        self.root = root
+        self.state = state
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        state = self.state
+        local = state.local()
+        full = self.root
+        rows = state.layout.local_rows(state.rank)
+        start = state.rank * state.layout.rows_per_rank
+        if rows:
+            local.copy_(full.narrow(0, start, rows).to(local.dtype))
+
+
+_GRAD_GET = torch.Tensor.grad.__get__
+_REQUIRES_GRAD_SET = torch.Tensor.requires_grad.__set__
+_DATA_SET = torch.Tensor.data.__set__
+
+
+class GatheredParameter(torch.Tensor):
+    """A full parameter gathered for eager code; in-place writes go through to the shard."""
+
+    _zero3_link: _Link
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        links = {id(t._zero3_link): t._zero3_link for t in flat if isinstance(t, GatheredParameter)}
+        if func is _GRAD_GET:
+            return args[0]._zero3_link.state.param.grad
+        if func in (torch.Tensor.requires_grad_, _REQUIRES_GRAD_SET):
+            value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+            args[0]._zero3_link.state.param.requires_grad_(value)
+            return args[0] if func is torch.Tensor.requires_grad_ else None
+        versions = {key: link.root._version for key, link in links.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        for key, link in links.items():
+            if link.root._version != versions[key] or func is _DATA_SET:
+                if func is _DATA_SET and args[0]._zero3_link is link:
+                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                        link.root.copy_(args[1])
+                link.write_back()
+        if not links:
+            return out
+        return tree_map(lambda t: _rewrap(t, links), out)
+
+
+def _rewrap(value, links: dict):
+    """Results sharing a root's storage (views, ``.data``, in-place results) stay linked."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, GatheredParameter):
+        return value
+    try:
+        ptr = value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return value
+    for link in links.values():
+        if ptr == link.root.untyped_storage().data_ptr():
+            return _wrap(value, link)
+    return value
+
+
+def _wrap(tensor: torch.Tensor, link: _Link) -> GatheredParameter:
+    out = tensor.as_subclass(GatheredParameter)
+    out._zero3_link = link
+    return out
+
+
+def gathered_parameter(full: torch.Tensor, state: ShardedParam) -> GatheredParameter:
+    """Wrap an eagerly gathered full parameter so that writes to it reach ``state``'s shard."""
+    return _wrap(full, _Link(full, state))
