@@ -35,6 +35,7 @@ from .compat import (
     inductor_compile_fx,
     inductor_config_patches,
     min_cut_partition,
+    order_saved_values,
     partitioner_base,
     register_dynamo_backend,
 )
@@ -124,6 +125,7 @@ class Zero3Partitioner(partitioner_base()):
         self.ctx.gradient_dependencies.update(gradient_dependencies(gm))
         kwargs.setdefault("compiler", "inductor")
         fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
+        order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
         if self.ctx.options.reshard_after_forward:
             check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"])

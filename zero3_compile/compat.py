@@ -119,6 +119,47 @@ def min_cut_partition(gm, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
 
+def order_saved_values(fw_module, bw_module, num_fwd_outputs: int) -> None:
+    """Put the forward's saved values in the order AOTAutograd slices them: tensors checked for
+    version changes, tensors not checked, opaque objects, symbolic ints; the backward's
+    placeholders likewise (symbolic ints first).
+
+    Works around the 2.13 partitioner emitting a ``DeviceMesh`` (opaque: every ``DTensor``
+    parameter's gradient needs it) before tensors that an activation-checkpointed
+    ``scaled_dot_product_attention`` saves, which AOTAutograd then rejects ("expected all
+    tensors_saved_with_vc_check to be Tensors"). A no-op on graphs already in order.
+    """
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from torch._functorch.partitioners import is_sym_node
+
+    output = next(n for n in reversed(fw_module.graph.nodes) if n.op == "output")
+    outputs = list(output.args[0])
+    saved = outputs[num_fwd_outputs:]
+
+    def group(node) -> int:
+        if is_sym_node(node):
+            return 3
+        if is_opaque_node(node):
+            return 2
+        return 1 if node.meta.get("saved_tensor_with_no_vc_check", False) else 0
+
+    # the backward takes the symbolic ints first, then the other saved values in forward order
+    syms = [n for n in saved if group(n) == 3]
+    rest = [n for n in saved if group(n) != 3]
+    order = sorted(range(len(rest)), key=lambda i: group(rest[i]))  # stable
+    if order == list(range(len(rest))):
+        return
+    output.args = (outputs[:num_fwd_outputs] + [rest[i] for i in order] + syms, *output.args[1:])
+    fw_module.recompile()
+    placeholders = [n for n in bw_module.graph.nodes if n.op == "placeholder"]
+    taken = placeholders[len(syms) : len(syms) + len(rest)]
+    after = taken[-1].next
+    for i in order:  # the backward's saved-value inputs in the new order, where they were
+        after.prepend(taken[i])
+    bw_module.graph.lint()
+    bw_module.recompile()
+
+
 def partitioner_base() -> type:
     """Base class of a partition function Inductor's ``custom_partitioner_fn`` accepts (private,
     ``torch._inductor.custom_graph_pass``, 2.11-2.14)."""
@@ -160,6 +201,21 @@ def desc_input_index(desc) -> int | None:
         if name == "GradAOTOutput":
             desc = desc.grad_of
             continue
+        desc = getattr(desc, "base", None)
+    return None
+
+
+def desc_gradient_of(desc) -> int | None:
+    """For a joint-graph output descriptor: the user input index whose gradient (or a tensor
+    part of it) this output is, None for forward outputs and non-tensor parts."""
+    for _ in range(8):
+        if desc is None:
+            return None
+        name = type(desc).__name__
+        if name == "GradAOTOutput":
+            return desc_input_index(desc.grad_of)
+        if name == "SubclassGetAttrAOTOutput" and getattr(desc, "attr", None) == "device_mesh":
+            return None
         desc = getattr(desc, "base", None)
     return None
 

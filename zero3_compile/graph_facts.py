@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .compat import ALL_GATHER, COLLECTIVES, WAIT, desc_input_index, desc_tangent_output, node_desc
+from .compat import ALL_GATHER, COLLECTIVES, WAIT, desc_gradient_of, desc_tangent_output, node_desc
 from .ops import GUARD, REDUCE_GRAD, UNSHARD
 
 
@@ -174,10 +174,8 @@ def gradient_dependencies(joint: fx.GraphModule) -> dict[int, frozenset[int] | N
         return {}
     deps: dict[int, frozenset[int] | None] = {}
     for value, desc in zip(values, descs):
-        if desc is None or type(desc).__name__ != "GradAOTOutput" or not isinstance(value, fx.Node):
-            continue
-        index = desc_input_index(desc)
-        if index is None:
+        index = desc_gradient_of(desc)
+        if index is None or not isinstance(value, fx.Node):
             continue
         outputs = {tangents[t] for t in ancestors(value) | {value} if t in tangents}
         known = None if None in outputs else frozenset(outputs)

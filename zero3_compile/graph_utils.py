@@ -102,10 +102,14 @@ def splice(
 
 
 def move_before(nodes: Iterable[fx.Node], anchor: fx.Node) -> None:
-    """Move ``nodes`` (in the given order) to just before ``anchor``."""
+    """Move ``nodes`` (in the given order) to just before ``anchor`` (or before the first node
+    after it that is not being moved, when ``anchor`` is one of them)."""
+    nodes = list(nodes)
+    moving = set(nodes)
+    while anchor in moving:
+        anchor = anchor.next
     for node in nodes:
-        if node is not anchor:
-            anchor.prepend(node)
+        anchor.prepend(node)
 
 
 def move_users_after(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> None:

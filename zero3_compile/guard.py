@@ -79,8 +79,12 @@ _published: set[tuple[int, int]] = set()
 
 
 def register_group(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Create the side group of ``group`` (a collective call: every rank of ``group`` at once)."""
-    if group.group_name in _guards or dist.get_world_size(group) == 1:
+    """Create the side group of ``group`` (a collective call: every rank of ``group`` at once);
+    for a group that has one, set its default timeout."""
+    if group.group_name in _guards:
+        _guards[group.group_name].timeout_s = timeout_s
+        return
+    if dist.get_world_size(group) == 1:
         return
     if group_backend(group) == "fake":
         return

@@ -27,8 +27,9 @@ class Options:
         waited on (each one keeps its full-size gradient bucket alive).
     reshard_after_forward: False keeps the parameters gathered in forward alive for backward
         (ZeRO-2-like: more memory, one all-gather less per step).
-    sync_timeout_s: how long a rank waits for the others' collective fingerprint when it
-        compiles a graph, before raising an error instead of hanging.
+    sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
+        compiled graph runs, before raising an error naming the missing ranks instead of
+        hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
     verify: check the scheduled graphs' invariants after every pass.
     dump_dir: write every graph before and after every pass, and the reports, here.
     """
@@ -39,7 +40,7 @@ class Options:
     max_inflight_bytes: int | None = None
     reduce_scatter_depth: int = 1
     reshard_after_forward: bool = True
-    sync_timeout_s: float = 600.0
+    sync_timeout_s: float | None = None
     verify: bool = True
     dump_dir: str | None = None
 
@@ -90,5 +91,7 @@ class Options:
             )
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("zero3: option reshard_after_forward must be True or False")
-        if not (isinstance(self.sync_timeout_s, (int, float)) and self.sync_timeout_s > 0):
+        if self.sync_timeout_s is not None and not (
+            isinstance(self.sync_timeout_s, (int, float)) and self.sync_timeout_s > 0
+        ):
             raise ValueError("zero3: option sync_timeout_s must be a positive number of seconds")

@@ -25,6 +25,7 @@ import torch
 from . import guard
 from .compat import compiled_function_offset, is_compiled_function_node
 from .param import state_of
+from .write_through import GatheredParameter
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,15 @@ class CallState:
         return self.absent[k]
 
 
-def run_graph_guard(group_name: str, kind: int, code: int, label: str, owner: int) -> None:
+def run_graph_guard(
+    group_name: str, kind: int, code: int, label: str, owner: int, timeout_s: float | None
+) -> None:
     """The body of ``zero3::guard``: the cross-rank check, with the backward's presence bits."""
     call = None
     if kind == guard.KIND_BACKWARD:
         call = getattr(_pending, "calls", {}).pop(owner, None)
     presence = call.presence if call is not None else None
-    union = guard.check(group_name, kind, code, label, presence=presence)
+    union = guard.check(group_name, kind, code, label, presence=presence, timeout_s=timeout_s)
     if call is not None:
         call.decide(union if presence is not None else None)
 
@@ -114,6 +117,11 @@ class GatedCall:
         return gated
 
     def __call__(self, *args):
+        if any(type(a) is GatheredParameter for a in args):
+            # full parameters eager code gathered (a graph break before this graph): plain inputs
+            args = tuple(
+                a.as_subclass(torch.Tensor) if type(a) is GatheredParameter else a for a in args
+            )
         if self._gated is None:
             self._gated = self._plan(args)
             if self._gated:

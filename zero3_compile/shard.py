@@ -318,6 +318,11 @@ def _base_call(module: nn.Module, name: str, *args):
 
 
 def _setattr(self: nn.Module, name: str, value) -> None:
+    from .write_through import GatheredParameter
+
+    if isinstance(value, GatheredParameter) and tuple(value.shape) == value.sharded_shape():
+        # ``a.weight = b.weight`` ties: reading b.weight gave b's parameter as a full tensor
+        value = value._zero3_link.state.param
     if isinstance(value, nn.Module) and not isinstance(value, nn.Parameter):
         if any(not is_sharded_module(m) for m in value.modules()):
             _shard_submodule(self, name, value)

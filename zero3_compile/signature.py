@@ -31,9 +31,20 @@ def collective_signature(graph: fx.Graph) -> list[tuple]:
     return signature
 
 
-def signature_code(signature: list[tuple]) -> int:
-    """A 62-bit digest of a collective signature (equal on ranks that issue the same)."""
-    digest = hashlib.sha256(repr(signature).encode()).digest()
+def collective_parameters(graph: fx.Graph) -> list[tuple[str, ...]]:
+    """The parameter names each collective carries, in graph order."""
+    return [
+        tuple(node.meta.get(PARAMS, ()))
+        for node in graph.nodes
+        if node.op == "call_function" and node.target in (ALL_GATHER, REDUCE_SCATTER)
+    ]
+
+
+def signature_code(graph: fx.Graph) -> int:
+    """A 62-bit digest of what a graph issues: its collective signature and which parameters
+    each collective carries (experts of equal shapes must not pass for one another)."""
+    key = (collective_signature(graph), collective_parameters(graph))
+    digest = hashlib.sha256(repr(key).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
 
 

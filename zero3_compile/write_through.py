@@ -43,9 +43,18 @@ class _Link:
             local.copy_(full.narrow(0, start, rows).to(local.dtype))
 
 
-_GRAD_GET = torch.Tensor.grad.__get__
-_REQUIRES_GRAD_SET = torch.Tensor.requires_grad.__set__
-_DATA_SET = torch.Tensor.data.__set__
+def _descriptor_access(func) -> tuple[str, str] | None:
+    """("grad", "__get__") for ``t.grad``, ("data", "__set__") for ``t.data = v``..."""
+    owner = getattr(func, "__self__", None)
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__") and type(owner).__name__ == "getset_descriptor":
+        return getattr(owner, "__name__", ""), name
+    return None
+
+
+def _writes_in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
 class GatheredParameter(torch.Tensor):
@@ -53,29 +62,47 @@ class GatheredParameter(torch.Tensor):
 
     _zero3_link: _Link
 
+    def sharded_shape(self) -> tuple[int, ...]:
+        """The full shape of the parameter this tensor was read from."""
+        return tuple(self._zero3_link.state.full_shape)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        links = {id(t._zero3_link): t._zero3_link for t in flat if isinstance(t, GatheredParameter)}
-        if func is _GRAD_GET:
-            return args[0]._zero3_link.state.param.grad
-        if func in (torch.Tensor.requires_grad_, _REQUIRES_GRAD_SET):
-            value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-            args[0]._zero3_link.state.param.requires_grad_(value)
-            return args[0] if func is torch.Tensor.requires_grad_ else None
-        versions = {key: link.root._version for key, link in links.items()}
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        for key, link in links.items():
-            if link.root._version != versions[key] or func is _DATA_SET:
-                if func is _DATA_SET and args[0]._zero3_link is link:
-                    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-                        link.root.copy_(args[1])
-                link.write_back()
-        if not links:
-            return out
-        return tree_map(lambda t: _rewrap(t, links), out)
+        if torch.compiler.is_compiling():
+            # a gathered tensor that eager code handed to a compiled frame: a plain input there
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _eager_torch_function(func, args, kwargs)
+
+
+def _eager_torch_function(func, args, kwargs):
+    """Run ``func``; write in-place changes of gathered parameters back to their shards."""
+    flat, _ = tree_flatten((args, kwargs))
+    links = {id(t._zero3_link): t._zero3_link for t in flat if isinstance(t, GatheredParameter)}
+    access = _descriptor_access(func)
+    if access == ("grad", "__get__"):
+        return args[0]._zero3_link.state.param.grad
+    if access == ("requires_grad", "__set__") or func is torch.Tensor.requires_grad_:
+        value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+        args[0]._zero3_link.state.param.requires_grad_(value)
+        return args[0] if func is torch.Tensor.requires_grad_ else None
+    versions = {key: link.root._version for key, link in links.items()}
+    # ``.data`` views have a version counter of their own: name the in-place ops as well
+    target = args[0] if args and isinstance(args[0], GatheredParameter) else None
+    in_place = target is not None and _writes_in_place(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if access == ("data", "__set__") and target is not None:
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            target._zero3_link.root.copy_(args[1])
+        in_place = True
+    for key, link in links.items():
+        if link.root._version != versions[key] or (in_place and target._zero3_link is link):
+            link.write_back()
+    if not links:
+        return out
+    return tree_map(lambda t: _rewrap(t, links), out)
 
 
 def _rewrap(value, links: dict):

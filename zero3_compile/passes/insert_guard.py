@@ -23,13 +23,14 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
 
     **Invariant** after: a graph that issues collectives runs exactly one guard before any of
     them; its code is the digest of the graph's collective sequence (kinds, groups, sizes,
-    dtypes), so the ranks compare what they are about to issue, not how often each compiled.
+    dtypes, the parameters each carries), so the ranks compare what they are about to issue, not
+    how often each compiled.
     A graph without collectives is unchanged.
 
     ```
     before:                              after:
       primals_1 = placeholder()            primals_1 = placeholder()
-      flat = view(primals_1, [-1])         guard(group, 1, 0x5e0c..., "0.1 ...", 0)
+      flat = view(primals_1, [-1])         guard(group, 1, 0x5e0c..., "0.1 ...", 0, -1.0)
       ag = all_gather(flat, 2, group)      flat = view(primals_1, [-1])
                                            ag = all_gather(flat, 2, group)
     ```
@@ -39,12 +40,18 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not signature:
         return
     group_name = signature[0][1]
-    code = signature_code(signature)
+    code = signature_code(graph)
     label = f"{ctx.graph_id} ({describe_signature(signature, graph)})"
     guard.describe(_KINDS[ctx.graph_kind], code, label)
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(anchor):
         NodeFactory(graph, **{ROLE: ROLE_GUARD})(
-            GUARD, group_name, _KINDS[ctx.graph_kind], code, label, ctx.owner
+            GUARD,
+            group_name,
+            _KINDS[ctx.graph_kind],
+            code,
+            label,
+            ctx.owner,
+            float(ctx.options.sync_timeout_s or -1.0),
         )
     graph.lint()
