@@ -6,46 +6,19 @@ import re
 
 import torch.fx as fx
 
-from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER
+from zero3_compile.graph_facts import param_derived
 from zero3_compile.node_keys import PARAMS
 from zero3_compile.recording import GraphRecord
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        for inp in current.all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
-    return seen
+from zero3_compile.signature import generated_events, scheduled_events
 
 
 def saved_gathered_parameters(record: GraphRecord) -> list[str]:
-    """Saved-for-backward tensors of a forward graph that are gathered parameters.
-
-    A saved tensor counts as a gathered parameter when it derives from an all-gather's wait and
-    from no placeholder other than the shards that feed all-gathers: it is the full parameter or
-    a function of parameters alone (a transpose, a cast), never an activation.
-    """
-    graph = record.gm.graph
-    shard_inputs = {
-        p
-        for n in graph.nodes
-        if n.target is ALL_GATHER
-        for p in _ancestors(n)
-        if p.op == "placeholder"
-    }
-    gathered = []
-    for node in record.saved:
-        ancestors = _ancestors(node) | {node}
-        from_gather = any(a.target is WAIT and a.args[0].target is ALL_GATHER for a in ancestors)
-        placeholders = {a for a in ancestors if a.op == "placeholder"}
-        if from_gather and placeholders <= shard_inputs:
-            gathered.append(f"{node.name}{tuple(node.meta['val'].shape)}")
-    return gathered
+    """Saved-for-backward tensors of a forward graph that are gathered parameters, or functions
+    of gathered parameters alone (``graph_facts.param_derived``: the one definition the
+    partitioner's own check uses)."""
+    derived = param_derived(record.gm.graph)
+    return [f"{n.name}{tuple(n.meta['val'].shape)}" for n in record.saved if n in derived]
 
 
 def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
@@ -76,6 +49,8 @@ def analyze(records: list[GraphRecord]) -> dict:
             entry.setdefault("inductor_gathers", []).extend(
                 inductor_gather_report(record.source_code)
             )
+            entry.setdefault("generated_events", []).append(generated_events(record.source_code))
+            entry.setdefault("scheduled_events", []).append(scheduled_events(record.gm.graph))
     return out
 
 

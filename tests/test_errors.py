@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 import textwrap
@@ -49,10 +50,36 @@ def test_backend_without_process_group_says_to_initialise_it():
     assert "torch.distributed is not initialised" in lines[1]
 
 
+def _backend_error(fn) -> BaseException:
+    """The error the backend raised (dynamo wraps it in BackendCompilerFailed)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    with pytest.raises(BackendCompilerFailed) as info:
+        fn()
+    return info.value.inner_exception
+
+
 def test_backend_on_unsharded_model_says_to_shard_it(fake_pg):
     model = nn.Linear(3, 3)
-    with pytest.raises(Exception, match=r"not sharded.*call zero3_compile.shard\(model\)"):
-        torch.compile(model, backend="zero3", options={"codegen": "eager"})(torch.randn(2, 3))
+    error = _backend_error(
+        lambda: torch.compile(model, backend="zero3", options={"codegen": "eager"})(
+            torch.randn(2, 3)
+        )
+    )
+    assert isinstance(error, ValueError)
+    assert re.search(r"not sharded.*call zero3_compile.shard\(model\)", str(error))
+
+
+def test_module_added_after_shard_without_a_sharded_parent_is_refused(fake_pg):
+    """A module holding plain parameters slipped in next to sharded ones (through a container
+    that is not part of the sharded model) trains differently on every rank: refused."""
+    model = z3.shard(nn.Linear(4, 4))
+    extra = nn.Linear(4, 4)
+    step = torch.compile(lambda x: extra(model(x)), backend="zero3", options={"codegen": "eager"})
+    error = _backend_error(lambda: step(torch.randn(2, 4)))
+    assert isinstance(error, ValueError)
+    assert "added to the model after zero3_compile.shard(model)" in str(error)
+    assert "zero3_compile.shard(new_module)" in str(error)
 
 
 def test_sharding_twice_is_refused(fake_pg):
@@ -77,11 +104,13 @@ def test_zero_dim_parameter_is_refused_with_a_fix(fake_pg):
 
 def test_unknown_option_lists_the_valid_ones(fake_pg):
     model = z3.shard(nn.Linear(8, 8))
-    with pytest.raises(
-        Exception,
-        match=r"unknown option\(s\) \['prefetch'\].*valid options are: codegen, bucket_mb",
-    ):
-        torch.compile(model, backend="zero3", options={"prefetch": 2})(torch.randn(2, 8))
+    error = _backend_error(
+        lambda: torch.compile(model, backend="zero3", options={"prefetch": 2})(torch.randn(2, 8))
+    )
+    assert isinstance(error, ValueError)
+    assert re.search(
+        r"unknown option\(s\) \['prefetch'\].*valid options are: codegen, bucket_mb", str(error)
+    )
 
 
 @pytest.mark.parametrize(

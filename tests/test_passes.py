@@ -85,7 +85,9 @@ def layers_graph(n_layers=3, d=8, root_head=False) -> fx.GraphModule:
             x = x @ gather(shards[-1], (d, d), "head.weight").t()
         return x
 
-    shards = [torch.randn(d // WORLD, d), torch.randn(d // WORLD)] * n_layers
+    shards = [
+        t for _ in range(n_layers) for t in (torch.randn(d // WORLD, d), torch.randn(d // WORLD))
+    ]
     if root_head:
         shards.append(torch.randn(d // WORLD, d))
     return trace(fn, torch.randn(4, d), *shards)
@@ -254,11 +256,17 @@ def test_prefetch_depth_two_keeps_two_gathers_ahead():
 
 
 def test_prefetch_depth_zero_gathers_right_before_use():
+    """prefetch_depth=0: each all-gather is issued right before its own wait, with no compute in
+    between, after the previous layer's compute."""
     gm = layers_graph(n_layers=3)
     run(gm, plan(prefetch_depth=0), assign_buckets, lower_gathers, prefetch_gathers)
     order, ags, waits, mms = _layer_order(gm)
-    for k in range(1, 3):
-        assert order[ags[k]] > order[mms[k - 1]]
+    nodes = list(gm.graph.nodes)
+    for k in range(3):
+        between = nodes[order[ags[k]] + 1 : order[waits[k]]]
+        assert between == [], f"nodes between gather {k} and its wait: {between}"
+        if k:
+            assert order[ags[k]] > order[mms[k - 1]]
 
 
 def test_max_inflight_bytes_delays_prefetch():

@@ -25,6 +25,25 @@ WAIT = funcol.wait_tensor.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER)
 
 
+# ``torch._ops.OpOverload``: the type of ATen / custom op overloads in FX graphs (private module,
+# no public alias), 2.11-2.14.
+OpOverload = torch._ops.OpOverload
+
+
+def disable_torch_function_subclass():
+    """``torch._C.DisableTorchFunctionSubclass``: run an op below a ``__torch_function__``
+    subclass (what torch's own subclasses use; private, 2.11-2.14)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def fake_tensor_types():
+    """(FakeTensor, FakeTensorMode): the fake values of graph nodes (private
+    ``torch._subclasses``; no public alternative), 2.11-2.14."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor, FakeTensorMode
+
+
 # ------------------------------------------------------------------------------- collectives
 
 

@@ -13,7 +13,15 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .compat import ALL_GATHER, COLLECTIVES, WAIT, desc_gradient_of, desc_tangent_output, node_desc
+from .compat import (
+    ALL_GATHER,
+    COLLECTIVES,
+    WAIT,
+    OpOverload,
+    desc_gradient_of,
+    desc_tangent_output,
+    node_desc,
+)
 from .ops import GUARD, REDUCE_GRAD, UNSHARD
 
 
@@ -32,7 +40,7 @@ def is_view(node: fx.Node) -> bool:
     if target is operator.getitem:
         source = node.args[0]
         return isinstance(source, fx.Node) and is_view(source)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         schema = target._schema
         if schema.is_mutable:
             return False
@@ -60,7 +68,7 @@ def recomputable(node: fx.Node) -> bool:
     target = node.target
     if target in (REDUCE_GRAD, GUARD) or target in COLLECTIVES or target is WAIT:
         return False
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return False
         if target._schema.is_mutable:

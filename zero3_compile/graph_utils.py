@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
+
+from .compat import fake_tensor_types
+
+FakeTensor, FakeTensorMode = fake_tensor_types()
 
 
 def fake_mode_of(graph: fx.Graph) -> FakeTensorMode | None:

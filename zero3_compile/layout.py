@@ -23,12 +23,8 @@ class ShardLayout:
         return self.full_shape[0]
 
     @property
-    def rest(self) -> tuple[int, ...]:
-        return tuple(self.full_shape[1:])
-
-    @property
     def row_numel(self) -> int:
-        return math.prod(self.rest)
+        return math.prod(self.full_shape[1:])
 
     @property
     def rows_per_rank(self) -> int:
@@ -47,12 +43,6 @@ class ShardLayout:
         start = rank * self.rows_per_rank
         return max(0, min(self.dim0, start + self.rows_per_rank) - start)
 
-    def local_shape(self, rank: int) -> tuple[int, ...]:
-        return (self.local_rows(rank), *self.rest)
-
-    def local_numel(self, rank: int) -> int:
-        return self.local_rows(rank) * self.row_numel
-
     def gathered_shape(self) -> tuple[int, ...]:
         """Shape of the padded gathered buffer viewed as rows."""
-        return (self.rows_per_rank * self.world_size, *self.rest)
+        return (self.rows_per_rank * self.world_size, *self.full_shape[1:])

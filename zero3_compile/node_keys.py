@@ -24,15 +24,6 @@ ROLE_REDUCE_SCATTER = "reduce_scatter"
 ROLE_REDUCE_WAIT = "reduce_wait"
 ROLE_REDUCE_COPY_OUT = "reduce_copy_out"
 
-GATHER_ROLES = (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER, ROLE_GATHER_WAIT, ROLE_GATHER_COPY_OUT)
-COMMUNICATION_ROLES = GATHER_ROLES + (
-    ROLE_REDUCE_COPY_IN,
-    ROLE_REDUCE_SCATTER,
-    ROLE_REDUCE_WAIT,
-    ROLE_REDUCE_COPY_OUT,
-    ROLE_GUARD,
-)
-
 # On a partitioned forward GraphModule's ``meta``: how many of its outputs are the user's
 # (the rest are saved for backward).
 NUM_USER_OUTPUTS = "zero3_num_user_outputs"

@@ -11,7 +11,8 @@ _CODEGENS = ("inductor", "eager")
 
 @dataclass(frozen=True)
 class Options:
-    """Everything a user can tune. Defaults are what we measured to be best on CPU and GPU.
+    """Everything a user can tune. Defaults are what we measured to be best on CPU (no GPU has
+    been measured yet; bench/gpu.py is ready for one).
 
     codegen: "inductor" (default) or "eager" (run the scheduled FX graphs as they are:
         exact numerics, fast compiles, for debugging).

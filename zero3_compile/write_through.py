@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .compat import disable_torch_function_subclass
 from .param import ShardedParam
 
 
@@ -71,7 +72,7 @@ class GatheredParameter(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             # a gathered tensor that eager code handed to a compiled frame: a plain input there
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         return _eager_torch_function(func, args, kwargs)
 
@@ -91,10 +92,10 @@ def _eager_torch_function(func, args, kwargs):
     # ``.data`` views have a version counter of their own: name the in-place ops as well
     target = args[0] if args and isinstance(args[0], GatheredParameter) else None
     in_place = target is not None and _writes_in_place(func)
-    with torch._C.DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         out = func(*args, **kwargs)
     if access == ("data", "__set__") and target is not None:
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        with torch.no_grad(), disable_torch_function_subclass():
             target._zero3_link.root.copy_(args[1])
         in_place = True
     for key, link in links.items():

@@ -32,8 +32,38 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     stay within ``bucket_mb``; a single larger parameter gets a bucket of its own.
 
     ```
-    first-use order:  ln1.w ln1.b attn.w attn.b | ln2.w ... (block 0) | ln1.w ... (block 1)
-    buckets:          [------------ 0 ------------------------------]   [------ 1 --------
+    before:
+      inputs: arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1
+      unshard = unshard(arg1_1, 'h.0.fc.weight')
+      unshard_1 = unshard(arg2_1, 'h.0.fc.bias')
+      t = t(unshard)
+      addmm = addmm(unshard_1, arg0_1, t)
+      relu = relu(addmm)
+      unshard_2 = unshard(arg3_1, 'h.1.fc.weight')
+      unshard_3 = unshard(arg4_1, 'h.1.fc.bias')
+      t_1 = t(unshard_2)
+      addmm_1 = addmm(unshard_3, relu, t_1)
+      relu_1 = relu(addmm_1)
+      unshard_4 = unshard(arg5_1, 'head.weight')
+      t_2 = t(unshard_4)
+      mm = mm(relu_1, t_2)
+      return mm
+    after:
+      inputs: arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1
+      unshard = unshard(arg1_1, 'h.0.fc.weight')  # bucket 0
+      unshard_1 = unshard(arg2_1, 'h.0.fc.bias')  # bucket 0
+      t = t(unshard)
+      addmm = addmm(unshard_1, arg0_1, t)
+      relu = relu(addmm)
+      unshard_2 = unshard(arg3_1, 'h.1.fc.weight')  # bucket 1
+      unshard_3 = unshard(arg4_1, 'h.1.fc.bias')  # bucket 1
+      t_1 = t(unshard_2)
+      addmm_1 = addmm(unshard_3, relu, t_1)
+      relu_1 = relu(addmm_1)
+      unshard_4 = unshard(arg5_1, 'head.weight')  # bucket 1
+      t_2 = t(unshard_4)
+      mm = mm(relu_1, t_2)
+      return mm
     ```
     """
     graph = gm.graph

@@ -29,15 +29,21 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     layer), the kept marker and its shard read are wrapped in ``_set_grad_enabled(True)``.
 
     ```
-    before:                                 after:
-      _set_grad_enabled(False)                _set_grad_enabled(False)
-      s = to_local(p)                         _set_grad_enabled(True)
-      a = unshard(s, 7, ...)                  s = to_local(p)
-      y = linear(x, a)                        a = unshard(s, 7, ...)
-      _set_grad_enabled(True)                 _set_grad_enabled(False)
-      s2 = to_local(p)                        y = linear(x, a)
-      b = unshard(s2, 7, ...)                 _set_grad_enabled(True)
-      z = linear(y, b)                        z = linear(y, a)
+    before:
+      inputs: idx_1, shard_1
+      unshard = unshard(shard_1, 'wte.weight')
+      index = index(unshard, [idx_1])
+      unshard_1 = unshard(shard_1, 'wte.weight')
+      t = t(unshard_1)
+      mm = mm(index, t)
+      return mm
+    after:
+      inputs: idx_1, shard_1
+      unshard = unshard(shard_1, 'wte.weight')
+      index = index(unshard, [idx_1])
+      t = t(unshard)
+      mm = mm(index, t)
+      return mm
     ```
     """
     graph = gm.graph

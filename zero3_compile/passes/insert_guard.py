@@ -28,11 +28,25 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
     A graph without collectives is unchanged.
 
     ```
-    before:                              after:
-      primals_1 = placeholder()            primals_1 = placeholder()
-      flat = view(primals_1, [-1])         guard(group, 1, 0x5e0c..., "0.1 ...", 0, -1.0)
-      ag = all_gather(flat, 2, group)      flat = view(primals_1, [-1])
-                                           ag = all_gather(flat, 2, group)
+    before:
+      inputs: arg0_1, arg1_1
+      view = view(arg1_1, [-1])
+      all_gather_into_tensor_default = all_gather_into_tensor(view, 4, '0')
+      wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
+      view_1 = view(wait_tensor_default, [4, 4])
+      t = t(view_1)
+      mm = mm(arg0_1, t)
+      return mm
+    after:
+      inputs: arg0_1, arg1_1
+      guard_default = guard('0', kind=1)
+      view = view(arg1_1, [-1])
+      all_gather_into_tensor_default = all_gather_into_tensor(view, 4, '0')
+      wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
+      view_1 = view(wait_tensor_default, [4, 4])
+      t = t(view_1)
+      mm = mm(arg0_1, t)
+      return mm
     ```
     """
     graph = gm.graph

@@ -35,13 +35,32 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     copy-out are ``arithmetic.gather_copy_in`` / ``gather_copy_out``, traced and spliced in.
 
     ```
-    before:                          after (bucket of w, b; world N):
-      w = unshard(s_w)                 flat = cat([pad(view(s_w, -1)), pad(view(s_b, -1))])
-      b = unshard(s_b)                 ag = all_gather_into_tensor(flat, N, group)
-      y = addmm(b, x, t(w))            g = wait_tensor(ag)            # (N * bucket_numel,)
-                                       w = view(clone(slice(view(g, [N, -1]), 1, 0, n_w)), ...)
-                                       b = ...
-                                       y = addmm(b, x, t(w))
+    before:
+      inputs: arg0_1, arg1_1, arg2_1
+      unshard = unshard(arg1_1, 'h.0.fc.weight')
+      unshard_1 = unshard(arg2_1, 'h.0.fc.bias')
+      t = t(unshard)
+      addmm = addmm(unshard_1, arg0_1, t)
+      relu = relu(addmm)
+      return relu
+    after:
+      inputs: arg0_1, arg1_1, arg2_1
+      view = view(arg1_1, [-1])
+      view_1 = view(arg2_1, [-1])
+      cat = cat([view, view_1])
+      all_gather_into_tensor_default = all_gather_into_tensor(cat, 4, '0')
+      wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
+      view_2 = view(wait_tensor_default, [4, 18])
+      slice_1 = slice(view_2, 1, 0, 16)
+      clone = clone(slice_1)
+      view_3 = view(clone, [8, 8])
+      slice_2 = slice(view_2, 1, 16, 18)
+      clone_1 = clone(slice_2)
+      view_4 = view(clone_1, [8])
+      t = t(view_3)
+      addmm = addmm(view_4, arg0_1, t)
+      relu = relu(addmm)
+      return relu
     ```
     A single-parameter bucket needs no copy-out: its first ``dim0`` gathered rows are the
     parameter (padding sits only at the tail, see ``layout.py``).

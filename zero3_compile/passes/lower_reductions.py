@@ -35,14 +35,30 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     ``reduce_scatter_depth`` full-size gradient buckets are in flight.
 
     ```
-    before:                         after (reduce_scatter_depth=1):
-      g2 = ...                        g2 = ...
-      r2 = reduce_grad(g2)            rs0 = reduce_scatter(cat([pad(g2)...]), "sum")
-      g1 = ...                        g1 = ...
-      r1 = reduce_grad(g1)            w0 = wait(rs0); r2 = slice(w0) / N
-                                      rs1 = reduce_scatter(cat([pad(g1)...]), "sum")
-      return (r1, r2)                 w1 = wait(rs1); r1 = slice(w1) / N
-                                      return (r1, r2)
+    before:
+      inputs: arg0_1, arg1_1
+      mul = mul(arg1_1, 2)
+      reduce_grad = reduce_grad(mul, 'h.1.w')
+      mul_1 = mul(arg0_1, 2)
+      reduce_grad_1 = reduce_grad(mul_1, 'h.0.w')
+      return [reduce_grad, reduce_grad_1]
+    after:
+      inputs: arg0_1, arg1_1
+      mul = mul(arg1_1, 2)
+      view = view(mul, [-1])
+      reduce_scatter_tensor_default = reduce_scatter_tensor(view, 'sum', 4, '0')
+      mul_1 = mul(arg0_1, 2)
+      wait_tensor_default = wait_tensor(reduce_scatter_tensor_default)
+      slice_1 = slice(wait_tensor_default, 0, 0, 4)
+      view_2 = view(slice_1, [1, 4])
+      div = div(view_2, 4)
+      view_1 = view(mul_1, [-1])
+      reduce_scatter_tensor_default_1 = reduce_scatter_tensor(view_1, 'sum', 4, '0')
+      wait_tensor_default_1 = wait_tensor(reduce_scatter_tensor_default_1)
+      slice_2 = slice(wait_tensor_default_1, 0, 0, 4)
+      view_3 = view(slice_2, [1, 4])
+      div_1 = div(view_3, 4)
+      return [div, div_1]
     ```
     """
     graph = gm.graph

@@ -41,14 +41,36 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     before its own wait when ``prefetch_depth == 0``. Waits and uses do not move.
 
     ```
-    prefetch_depth=1:
-      ag0 = all_gather(s0); w0 = wait(ag0)        # top: nothing to overlap with yet
-      ag1 = all_gather(s1)                        # issued before layer 0 computes
-      y0 = layer0(x, w0)
-      w1 = wait(ag1)
-      ag2 = all_gather(s2)
-      y1 = layer1(y0, w1)
-      ...
+    before:
+      inputs: arg0_1, arg1_1, arg2_1
+      view = view(arg1_1, [-1])
+      all_gather_into_tensor_default = all_gather_into_tensor(view, 4, '0')
+      wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
+      view_1 = view(wait_tensor_default, [4, 4])
+      t = t(view_1)
+      mm = mm(arg0_1, t)
+      view_2 = view(arg2_1, [-1])
+      all_gather_into_tensor_default_1 = all_gather_into_tensor(view_2, 4, '0')
+      wait_tensor_default_1 = wait_tensor(all_gather_into_tensor_default_1)
+      view_3 = view(wait_tensor_default_1, [4, 4])
+      t_1 = t(view_3)
+      mm_1 = mm(mm, t_1)
+      return mm_1
+    after:
+      inputs: arg0_1, arg1_1, arg2_1
+      view = view(arg1_1, [-1])
+      all_gather_into_tensor_default = all_gather_into_tensor(view, 4, '0')
+      wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
+      view_1 = view(wait_tensor_default, [4, 4])
+      view_2 = view(arg2_1, [-1])
+      all_gather_into_tensor_default_1 = all_gather_into_tensor(view_2, 4, '0')
+      t = t(view_1)
+      mm = mm(arg0_1, t)
+      wait_tensor_default_1 = wait_tensor(all_gather_into_tensor_default_1)
+      view_3 = view(wait_tensor_default_1, [4, 4])
+      t_1 = t(view_3)
+      mm_1 = mm(mm, t_1)
+      return mm_1
     ```
     """
     graph = gm.graph

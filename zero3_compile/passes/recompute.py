@@ -27,10 +27,22 @@ def tag_recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
     again.
 
     ```
-    joint graph:                       forward saves:    backward recomputes:
-      w = unshard(s)   MUST_RECOMPUTE    s, x              w = unshard(s)
-      wt = t(w)        MUST_RECOMPUTE                      wt = t(w)
-      y = mm(x, wt)                                        dx = mm(dy, t(wt))
+    before:
+      inputs: arg0_1, arg1_1, arg2_1
+      unshard = unshard(arg1_1, 'h.0.fc.weight')
+      unshard_1 = unshard(arg2_1, 'h.0.fc.bias')
+      t = t(unshard)
+      addmm = addmm(unshard_1, arg0_1, t)
+      relu = relu(addmm)
+      return relu
+    after:
+      inputs: arg0_1, arg1_1, arg2_1
+      unshard = unshard(arg1_1, 'h.0.fc.weight')  # recompute
+      unshard_1 = unshard(arg2_1, 'h.0.fc.bias')  # recompute
+      t = t(unshard)  # recompute
+      addmm = addmm(unshard_1, arg0_1, t)
+      relu = relu(addmm)
+      return relu
     ```
     """
     gather_policy = (
