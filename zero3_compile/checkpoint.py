@@ -1,19 +1,43 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic saves, safe loads.
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, sealed saves; verified,
+safe loads.
 
 ``save_checkpoint(path, model, optimizer)`` writes every rank's shards of the model and optimizer
-state (keys are parameter names, as ``get_state_dict`` gives them) into a fresh directory and only
-then swaps it in for ``path``: an interrupted save leaves the previous checkpoint intact.
-``load_checkpoint`` reads it back at any world size (DCP reshards), and reads DCP's metadata with
-an unpickler that accepts only checkpoint metadata classes, never arbitrary objects.
+state (keys are parameter names, as ``get_state_dict`` gives them) into a fresh directory
+``path.tmp-<save id>``. Each rank then records the size and sha256 of every file it wrote there
+(its ``__<rank>_*.distcp`` shards, its ``rank_state`` file; rank 0 also DCP's ``.metadata``), rank
+0 merges the records into ``zero3_manifest.json`` (with the save id and a checksum of the manifest
+itself), and only then is the directory swapped in for ``path``: an interrupted save (a full disk,
+a killed rank) leaves the previous checkpoint intact and loadable.
+
+``load_checkpoint`` checks every file against the manifest before anything is read into the model
+(the ranks share the hashing): a missing, truncated or modified file, or one copied in from another
+save, raises ``CheckpointCorruptError`` naming the file on every rank, never a model with wrong
+values. A checkpoint without a manifest loads only with ``verify=False``. It reads back at any
+world size (DCP reshards), and reads DCP's metadata with an unpickler that accepts only checkpoint
+metadata classes, never arbitrary objects.
+
+``rank_state`` carries what else a resumed job needs per rank (step, LR scheduler, RNG states, data
+position; tensors, numbers, strings and containers of them): it is written into the same staging
+directory, so it is sealed and swapped in together with the shards, and ``load_checkpoint`` returns
+it (read with ``torch.load(weights_only=True)``).
+
+Both calls are collective. When a rank dies during one, the others' next exchange fails (gloo
+raises at once when the dead process's connections close; otherwise the process group's timeout
+bounds the wait), and they raise ``PeerLostError`` naming the ranks that did not answer a roll
+call in the store within ``ROLL_CALL_S`` seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import pickle
 import shutil
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +52,35 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .compat import default_store
+
 _BACKUP = ".zero3-previous"
+MANIFEST = "zero3_manifest.json"
+_MANIFEST_FORMAT = "zero3-checkpoint-manifest"
+_MANIFEST_VERSION = 1
+_METADATA = ".metadata"
+ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other's answer
+
+
+class CheckpointCorruptError(ValueError):
+    """The files of a checkpoint do not match the manifest its save wrote (raised on every rank).
+
+    ``file`` is the first damaged file, ``problems`` every (file, what is wrong) found.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, problems=()):
+        super().__init__(message)
+        self.file = file
+        self.problems = list(problems)
+
+
+class PeerLostError(RuntimeError):
+    """A rank died or stopped answering during a collective checkpoint call (raised on the
+    others); ``lost`` lists the ranks that did not answer."""
+
+    def __init__(self, message: str, *, lost=()):
+        super().__init__(message)
+        self.lost = list(lost)
 
 
 def save_checkpoint(
@@ -37,29 +89,52 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, torch.Tensor] | None = None,
+    rank_state: Any = None,
 ) -> None:
     """Save ``model`` (and ``optimizer``) shards to the directory ``path``; every rank must call it.
 
-    The checkpoint is written to ``path.tmp-<id>`` first; once every rank has finished, rank 0
-    renames it to ``path`` (moving the previous checkpoint aside first and deleting it last).
+    The checkpoint is written to ``path.tmp-<id>`` first and sealed with a manifest of every
+    file's size and sha256; once every rank has finished, rank 0 renames it to ``path`` (moving the
+    previous checkpoint aside first and deleting it last). ``extra``: tensors saved as rank 0 has
+    them. ``rank_state``: this rank's own objects (tensors, numbers, strings, None and
+    lists/tuples/dicts of them), returned by ``load_checkpoint`` on the same rank.
     """
     path = os.fspath(path)
+    call = _next_call("save")
     state = _state(model, optimizer)
     if extra:
         state["extra"] = dict(extra)
-    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    staging = f"{path}.tmp-{token[0]}"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    staging = None
     try:
+        token = [uuid.uuid4().hex if rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        save_id = token[0]
+        staging = f"{path}.tmp-{save_id}"
+        if rank == 0:
+            _remove_stale_staging(path, keep=staging)
         dcp.save(state, storage_writer=FileSystemWriter(staging))
-    except BaseException:
-        # DCP reports a failure on every rank; the previous checkpoint at ``path`` is untouched
-        shutil.rmtree(staging, ignore_errors=True)
+        records = _exchange(
+            lambda: _seal_own_files(staging, rank, rank_state), "sealing the written files"
+        )
+        _exchange(
+            lambda: _write_manifest(staging, save_id, world, records) if rank == 0 else None,
+            "writing the manifest",
+        )
+        _exchange(lambda: _swap_in(staging, path) if rank == 0 else None, "swapping it in")
+    except BaseException as error:
+        # every rank has failed (DCP and the exchanges report a failure everywhere) or a peer is
+        # gone; rank 0 owns the staging directory. The checkpoint at ``path`` is untouched.
+        if rank == 0 and staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        _raise_if_peer_lost(
+            error,
+            call,
+            f"save_checkpoint({path!r})",
+            f"The checkpoint at {path!r} is the previous one, or this save complete (saves are "
+            "swapped in atomically).",
+        )
         raise
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _swap_in(staging, path)
-    dist.barrier()
 
 
 def load_checkpoint(
@@ -68,16 +143,26 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, torch.Tensor] | None = None,
-) -> None:
+    verify: bool = True,
+) -> Any:
     """Load a checkpoint written by ``save_checkpoint`` (at any world size) into ``model``/``optimizer``.
 
-    ``extra`` receives, in place, the tensors saved under the same keys.
+    Every file is first checked against the checkpoint's manifest (``verify_checkpoint``);
+    ``verify=False`` skips that, for checkpoints written without one. ``extra`` receives, in
+    place, the tensors saved under the same keys. Returns the ``rank_state`` this rank saved
+    (None if the rank saved none, e.g. the checkpoint was written at a smaller world size).
     """
     path = _existing(os.fspath(path))
+    call = _next_call("load")
     state = _state(model, optimizer)
     if extra:
         state["extra"] = dict(extra)
-    dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    try:  # the collective part: every rank fails alike here, or a peer is gone
+        manifest = verify_checkpoint(path) if verify else None
+        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    except BaseException as error:
+        _raise_if_peer_lost(error, call, f"load_checkpoint({path!r})", "Nothing was loaded.")
+        raise
     if optimizer is not None:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -88,6 +173,48 @@ def load_checkpoint(
         for key, value in state["extra"].items():
             if extra[key] is not value:
                 extra[key].copy_(value)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return _read_rank_state(path, rank, manifest, verify_file=False)
+
+
+def load_rank_state(path: str | os.PathLike, rank: int, *, verify: bool = True) -> Any:
+    """The ``rank_state`` that ``rank`` saved into the checkpoint at ``path`` (None if it saved
+    none); not collective. With ``verify``, that file is checked against the manifest."""
+    path = _existing(os.fspath(path))
+    manifest = None
+    if verify:
+        manifest, problems = _read_manifest(path)
+        if problems:
+            raise _corrupt(path, problems)
+    return _read_rank_state(path, rank, manifest, verify_file=verify)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check every file of the checkpoint at ``path`` against its manifest; return the manifest.
+
+    Raises ``CheckpointCorruptError`` naming each missing, truncated or modified file, or a
+    missing or damaged manifest. With ``torch.distributed`` initialised this is collective: each
+    rank hashes a share of the files and every rank raises the same error.
+    """
+    path = _existing(os.fspath(path))
+    manifest, problems = _read_manifest(path)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if manifest is not None:
+        for name in sorted(manifest["files"])[rank::world]:
+            reason = _check_file(path, name, manifest["files"][name], manifest["save_id"])
+            if reason is not None:
+                problems.append((name, reason))
+    if distributed:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, problems)
+        problems = sorted({tuple(p) for ranks in everyone for p in ranks})
+    if problems:
+        raise _corrupt(path, problems)
+    return manifest
+
+
+# ------------------------------------------------------------------ saving
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -95,6 +222,118 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
         return {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optim": optim_state}
+
+
+def _rank_state_name(rank: int) -> str:
+    return f"zero3_rank_state.{rank}.pt"
+
+
+def _seal_own_files(staging: str, rank: int, rank_state: Any) -> dict[str, dict[str, Any]]:
+    """Write this rank's ``rank_state``; return size and sha256 of every file this rank wrote."""
+    names = sorted(
+        n for n in os.listdir(staging) if n.startswith(f"__{rank}_") and n.endswith(".distcp")
+    )
+    if rank == 0:
+        names.append(_METADATA)
+    if rank_state is not None:
+        buffer = io.BytesIO()
+        torch.save(rank_state, buffer)
+        _write_durably(os.path.join(staging, _rank_state_name(rank)), buffer.getvalue())
+        names.append(_rank_state_name(rank))
+    records = {}
+    for name in names:
+        size, digest = _digest(os.path.join(staging, name))
+        records[name] = {"size": size, "sha256": digest, "rank": rank}
+    return records
+
+
+def _write_manifest(staging: str, save_id: str, world: int, records: list[dict]) -> None:
+    files: dict[str, dict[str, Any]] = {}
+    for rank_records in records:
+        files.update(rank_records)
+    metadata = SafeFileSystemReader(staging).read_metadata()
+    referenced = {info.relative_path for info in metadata.storage_data.values()}
+    unsealed = sorted(referenced - files.keys())
+    if unsealed:
+        raise RuntimeError(f"zero3: DCP wrote files that no rank sealed: {unsealed}")
+    manifest = {
+        "format": _MANIFEST_FORMAT,
+        "version": _MANIFEST_VERSION,
+        "save_id": save_id,
+        "world_size": world,
+        "created": time.time(),
+        "torch": torch.__version__,
+        "files": files,
+    }
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    _write_durably(os.path.join(staging, MANIFEST), json.dumps(manifest, indent=1).encode())
+    _fsync_dir(staging)
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _digest(path: str) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def _exchange(fn: Callable[[], Any], what: str) -> list[Any]:
+    """Run ``fn`` on every rank and all-gather the results; if it failed on any rank, raise on
+    every rank (so no rank goes on alone)."""
+    try:
+        result = (True, fn())
+    except Exception as error:  # noqa: BLE001  - reported on every rank below
+        result = (False, f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    failures = [value for ok, value in everyone if not ok]
+    if failures:
+        raise RuntimeError(f"zero3: checkpoint save failed while {what}: " + "; ".join(failures))
+    return [value for _, value in everyone]
+
+
+def _remove_stale_staging(path: str, keep: str) -> None:
+    """Staging directories of earlier saves to ``path`` that were interrupted (no save to
+    ``path`` can be running now: every rank is in this one)."""
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        full = os.path.join(parent, name)
+        if name.startswith(base + ".tmp-") and full != os.path.abspath(keep):
+            shutil.rmtree(full, ignore_errors=True)
 
 
 def _swap_in(staging: str, path: str) -> None:
@@ -108,6 +347,7 @@ def _swap_in(staging: str, path: str) -> None:
     if had_previous:
         os.rename(path, backup)
     os.rename(staging, path)  # from here on the new checkpoint is the one loaded
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
     if had_previous:
         shutil.rmtree(backup)
 
@@ -118,6 +358,160 @@ def _existing(path: str) -> str:
     if os.path.isdir(path + _BACKUP):  # a save crashed after moving the previous one aside
         return path + _BACKUP
     raise FileNotFoundError(f"zero3: no checkpoint at {path!r}")
+
+
+# ------------------------------------------------------------------ verifying
+
+
+def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[tuple[str, str]]]:
+    where = os.path.join(path, MANIFEST)
+    if not os.path.exists(where):
+        return None, [
+            (
+                MANIFEST,
+                "is missing: the checkpoint was not sealed by save_checkpoint (written by an "
+                "older zero3_compile, by plain torch.distributed.checkpoint, or its directory "
+                "was assembled by hand); load_checkpoint(..., verify=False) loads it unchecked",
+            )
+        ]
+    try:
+        with open(where, "rb") as f:
+            manifest = json.loads(f.read().decode())
+    except (OSError, ValueError) as error:
+        return None, [(MANIFEST, f"is unreadable ({type(error).__name__}: {error})")]
+    if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+        return None, [(MANIFEST, "is not a zero3_compile checkpoint manifest")]
+    if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+        return None, [(MANIFEST, "does not match its own checksum: it was modified after the save")]
+    files = manifest.get("files")
+    if not isinstance(files, dict) or _METADATA not in files:
+        return None, [(MANIFEST, f"does not list DCP's {_METADATA} file")]
+    return manifest, []
+
+
+def _check_file(path: str, name: str, want: dict[str, Any], save_id: str) -> str | None:
+    where = os.path.join(path, name)
+    if not os.path.isfile(where):
+        return f"is missing (save {save_id} wrote {want['size']} bytes there)"
+    try:
+        size, digest = os.path.getsize(where), None
+        if size == want["size"]:
+            _, digest = _digest(where)
+    except OSError as error:
+        return f"is unreadable ({type(error).__name__}: {error})"
+    if size != want["size"]:
+        how = "truncated" if size < want["size"] else "longer than written"
+        return f"has {size} bytes where save {save_id} wrote {want['size']} ({how})"
+    if digest != want["sha256"]:
+        return (
+            f"does not match the sha256 save {save_id} recorded for it (flipped bits, an "
+            f"overwrite, or a file of another save){_origin(path, name, digest)}"
+        )
+    return None
+
+
+def _origin(path: str, name: str, digest: str) -> str:
+    """Where a file with this content comes from, if a sibling checkpoint's manifest knows it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        siblings = sorted(os.listdir(parent))
+    except OSError:
+        return ""
+    for sibling in siblings:
+        where = os.path.join(parent, sibling)
+        if where == os.path.abspath(path) or not os.path.isfile(os.path.join(where, MANIFEST)):
+            continue
+        manifest, problems = _read_manifest(where)
+        if problems:
+            continue
+        for other, record in manifest["files"].items():
+            if record.get("sha256") == digest:
+                return (
+                    f": it is {other!r} of the checkpoint {where!r} (save {manifest['save_id']}), "
+                    "shards of two saves mixed"
+                )
+    return ""
+
+
+def _corrupt(path: str, problems: list[tuple[str, str]]) -> CheckpointCorruptError:
+    first, reason = problems[0]
+    lines = [f"zero3: checkpoint {path!r} is damaged: file {first!r} {reason}."]
+    lines += [f"  also: {name!r} {why}." for name, why in problems[1:]]
+    lines.append(
+        "Nothing was loaded. Restore the file or load an older checkpoint (a resumed job falls "
+        "back to the previous one)."
+    )
+    return CheckpointCorruptError("\n".join(lines), file=first, problems=problems)
+
+
+def _read_rank_state(
+    path: str, rank: int, manifest: dict[str, Any] | None, verify_file: bool
+) -> Any:
+    name = _rank_state_name(rank)
+    where = os.path.join(path, name)
+    if manifest is not None:
+        record = manifest["files"].get(name)
+        if record is None:
+            return None
+        if verify_file:
+            reason = _check_file(path, name, record, manifest["save_id"])
+            if reason is not None:
+                raise _corrupt(path, [(name, reason)])
+    elif not os.path.exists(where):
+        return None
+    with open(where, "rb") as f:
+        return torch.load(io.BytesIO(f.read()), weights_only=True)
+
+
+# ------------------------------------------------------------------ lost ranks
+
+_calls = 0
+
+
+def _next_call(kind: str) -> str:
+    """A name every rank gives the same collective checkpoint call (they call them in order)."""
+    global _calls
+    _calls += 1
+    return f"{kind}{_calls}"
+
+
+def _lost_ranks(call: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
+    """The ranks that do not answer a roll call in the store within ``wait_s`` after a failed
+    collective (every survivor fails at the same exchange); None if every rank answered."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = default_store()
+    if store is None:
+        return None
+    prefix = f"zero3/checkpoint/{call}/rollcall/"
+    try:
+        store.set(prefix + str(rank), "1")
+        answered = store.add(prefix + "count", 1)
+        deadline = time.monotonic() + wait_s
+        while answered < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            answered = store.add(prefix + "count", 0)
+        if answered >= world:
+            return None
+        return [r for r in range(world) if not store.check([prefix + str(r)])]
+    except Exception:  # noqa: BLE001  - the store is gone: its host (rank 0 unless torchrun's
+        return [0] if rank != 0 else None  # agent hosts it) died
+
+
+def _raise_if_peer_lost(error: BaseException, call: str, what: str, note: str) -> None:
+    if isinstance(error, (KeyboardInterrupt, SystemExit, CheckpointCorruptError)):
+        return
+    lost = _lost_ranks(call)
+    if not lost:
+        return
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    raise PeerLostError(
+        f"zero3: {what} on rank {dist.get_rank()}: lost rank(s) {lost}: they did not answer "
+        f"within {ROLL_CALL_S:.0f}s after the collective failed ({type(error).__name__}: "
+        f"{cause}). {note}",
+        lost=lost,
+    ) from error
 
 
 # ------------------------------------------------------------------ safe metadata loading

@@ -215,35 +215,46 @@ def _lost_peer_message(guard: _GroupGuard, label: str, timeout: float, error: Ex
     alive = _responding_ranks(guard)
     silent = [r for r in guard.ranks if r not in alive]
     who = f"rank(s) {silent}" if silent else "a peer rank"
+    text = str(error)
+    if any(sign in text for sign in ("Connection closed", "Connection reset", "Broken pipe")):
+        # gloo reports a dead peer's closed sockets at once: no timeout was waited for
+        what = f"{who} lost its connection (the process died or left the process group)"
+        ending = "Stopping instead of hanging."
+    else:
+        what = f"{who} did not arrive within {timeout:.0f}s or lost its connection"
+        ending = "The rank died, is stuck, or is running other code; stopping instead of hanging."
+    first = text.splitlines()[0][:300] if text else ""
     return (
         f"zero3: rank {dist.get_rank()} waited for every rank at check #{guard.count} "
-        f"({label}), but {who} did not arrive within {timeout:.0f}s or lost its connection "
-        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). The rank "
-        "died, is stuck, or is running other code; stopping instead of hanging."
+        f"({label}), but {what} ({type(error).__name__}: {first}). {ending}"
     )
 
 
 def _responding_ranks(guard: _GroupGuard, wait_s: float = 2.0) -> set[int]:
-    """Ranks that answer a roll call in the store within ``wait_s`` (best effort)."""
+    """Ranks that answer a roll call in the store within ``wait_s`` (best effort). Every rank
+    that lost a peer fails its check at about the same time, so the living answer at once."""
     store = default_store()
     if store is None:
         return set(guard.ranks)
     prefix = f"zero3/rollcall/{guard.group_name}/{guard.count}/"
+    me = dist.get_rank()
+    # the store is gone with its host: rank 0 unless a launcher's agent (torchrun) hosts it
+    store_host_lost = {r for r in guard.ranks if r != 0} | {me}
     try:
-        store.set(prefix + str(dist.get_rank()), "1")
-    except Exception:  # noqa: BLE001  - the store itself is gone (rank 0 died)
-        return {dist.get_rank()}
+        store.set(prefix + str(me), "1")
+    except Exception:  # noqa: BLE001
+        return store_host_lost
     deadline = time.monotonic() + wait_s
     alive: set[int] = set()
     while time.monotonic() < deadline:
         try:
             alive = {r for r in guard.ranks if store.check([prefix + str(r)])}
         except Exception:  # noqa: BLE001
-            break
+            return store_host_lost
         if len(alive) == len(guard.ranks):
             break
         time.sleep(0.1)
-    return alive | {dist.get_rank()}
+    return alive | {me}
 
 
 def group_of(group_name: str) -> dist.ProcessGroup:
