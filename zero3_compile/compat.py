@@ -68,6 +68,38 @@ def side_all_gather(out: torch.Tensor, inp: torch.Tensor, group, timeout_s: floa
     work.wait(timeout=timedelta(seconds=timeout_s))
 
 
+def register_wait(tensor: torch.Tensor, on_wait) -> None:
+    """Make ``wait_tensor(tensor)`` call ``on_wait()`` (which blocks until the tensor is ready,
+    and raises if it never will be), the way the functional collectives register their work.
+
+    Private: ``_register_work`` with a ``PythonCallbackWork`` (2.13, 2.14), else a work made from
+    a torch future completed by running ``on_wait`` on a helper thread (2.11, 2.12).
+    """
+    c10d = torch._C._distributed_c10d
+    callback_work = getattr(c10d, "PythonCallbackWork", None)
+    if callback_work is not None:
+
+        def wait(timeout) -> bool:
+            on_wait()
+            return True
+
+        c10d._register_work(tensor, callback_work(wait))
+        return
+    import threading
+
+    done = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            on_wait()
+            done.set_result([tensor])
+        except BaseException as error:  # noqa: BLE001 - delivered to the waiter
+            done.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start()
+    c10d._register_work(tensor, c10d._create_work_from_future(done))
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group of a name found in a graph. Private (``_resolve_process_group``) with no
     public equivalent; the functional collectives use it themselves. Checked 2.11-2.14."""

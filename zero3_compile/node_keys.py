@@ -15,6 +15,8 @@ PARAMS = "zero3_params"
 PARAM_DERIVED = "zero3_param_derived"
 
 ROLE_GUARD = "guard"
+ROLE_RELOAD = "reload"
+ROLE_RELOAD_WAIT = "reload_wait"
 ROLE_GATHER_COPY_IN = "gather_copy_in"
 ROLE_ALL_GATHER = "all_gather"
 ROLE_GATHER_WAIT = "gather_wait"

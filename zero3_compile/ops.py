@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from . import arithmetic, guard
-from .compat import all_gather, mark_side_effect, reduce_scatter_sum
+from .compat import all_gather, mark_side_effect, reduce_scatter_sum, register_wait
+from .offload.params import readable, reload_async
 from .param import NUM_MARKER_FIELDS, MarkerArgs, marker_schema, marker_tuple
 
 UNSHARD_SCHEMA = marker_schema("Tensor shard", "Tensor? grad_sink=None", "Tensor")
@@ -45,9 +46,9 @@ def unshard(shard: torch.Tensor, *rest) -> torch.Tensor:
     args, _ = _split(rest)
     dtype = arithmetic.gather_dtype(shard.dtype, args.param_dtype)
     if args.world_size == 1:
-        return _not_aliasing(arithmetic.single_rank_gather(shard, dtype), shard)
+        return _not_aliasing(arithmetic.single_rank_gather(readable(shard), dtype), shard)
     guard.check(args.group_name, guard.KIND_EAGER_GATHER, args.param_id, repr(args.fqn))
-    flat = arithmetic.gather_copy_in([shard], [args.layout], dtype)
+    flat = arithmetic.gather_copy_in([readable(shard)], [args.layout], dtype)
     gathered = all_gather(flat.contiguous(), args.world_size, args.group_name)
     return arithmetic.gather_copy_out(gathered, [args.layout])[0]
 
@@ -147,6 +148,29 @@ GUARD = torch.ops.zero3.guard.default
 mark_side_effect(GUARD)
 
 
+# ------------------------------------------------------------------------------- offload
+
+
+@torch.library.custom_op("zero3::reload", mutates_args=())
+def reload(shard: torch.Tensor) -> torch.Tensor:
+    """Start reading an offloaded shard back from its store; returns the tensor being filled.
+
+    Like a collective's output, it must go through ``wait_tensor`` before it is read: the read
+    runs on the store's I/O threads, and its completion is registered as the tensor's work.
+    """
+    out, wait = reload_async(shard)
+    register_wait(out, wait)
+    return out
+
+
+@reload.register_fake
+def _reload_fake(shard: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(shard)
+
+
+RELOAD = torch.ops.zero3.reload.default
+
+
 # ------------------------------------------------------------------------------- leaf modules
 
 
@@ -173,13 +197,13 @@ class UnshardMany(torch.autograd.Function):
             first = group[0]
             if first.world_size == 1:
                 for i in indices:
-                    fulls[i] = arithmetic.single_rank_gather(shards[i], dtype).clone()
+                    fulls[i] = arithmetic.single_rank_gather(readable(shards[i]), dtype).clone()
                 continue
             guard.check(
                 first.group_name, guard.KIND_EAGER_GATHER, _group_code(group), _group_label(group)
             )
             layouts = [m.layout for m in group]
-            flat = arithmetic.gather_copy_in([shards[i] for i in indices], layouts, dtype)
+            flat = arithmetic.gather_copy_in([readable(shards[i]) for i in indices], layouts, dtype)
             gathered = all_gather(flat.contiguous(), first.world_size, first.group_name)
             for i, full in zip(indices, arithmetic.gather_copy_out(gathered, layouts)):
                 fulls[i] = full

@@ -26,6 +26,8 @@ class Options:
         first gather ahead is always allowed.
     reduce_scatter_depth: how many reduce-scatters may be in flight before the oldest is
         waited on (each one keeps its full-size gradient bucket alive).
+    reload_depth: for offloaded parameters (``shard(offload=...)``), how many buckets ahead of
+        the all-gather being prepared their shards' reads are issued (0: right before it).
     reshard_after_forward: False keeps the parameters gathered in forward alive for backward
         (ZeRO-2-like: more memory, one all-gather less per step).
     sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
@@ -40,6 +42,7 @@ class Options:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     reduce_scatter_depth: int = 1
+    reload_depth: int = 1
     reshard_after_forward: bool = True
     sync_timeout_s: float | None = None
     verify: bool = True
@@ -78,7 +81,7 @@ class Options:
             raise ValueError(
                 f"zero3: option bucket_mb must be a positive number, got {self.bucket_mb!r}"
             )
-        for name in ("prefetch_depth", "reduce_scatter_depth"):
+        for name in ("prefetch_depth", "reduce_scatter_depth", "reload_depth"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"zero3: option {name} must be an int >= 0, got {value!r}")

@@ -53,6 +53,7 @@ class MarkerArgs:
     param_dtype: torch.dtype | None  # mixed precision: gather and compute in this dtype
     reduce_dtype: torch.dtype | None  # mixed precision: reduce gradients in this dtype
     fqn: str  # the parameter's canonical name (the first, for tied parameters)
+    offloaded: bool = False  # the shard lives in an offload store between uses (offload/)
 
     @property
     def layout(self) -> ShardLayout:
@@ -78,6 +79,7 @@ _SCHEMA_TYPES = {
     "param_dtype": "ScalarType?",
     "reduce_dtype": "ScalarType?",
     "fqn": "str",
+    "offloaded": "bool",
 }
 MARKER_FIELDS: tuple[tuple[str, str], ...] = tuple(
     (f.name, _SCHEMA_TYPES[f.name]) for f in fields(MarkerArgs)
@@ -156,6 +158,7 @@ class ShardedParam:
     param: nn.Parameter = field(repr=False)
     # gradient accumulation without synchronisation (accumulation.py)
     requires_sync: bool = True
+    offload: Any = field(default=None, repr=False)  # offload.params.OffloadedShard
     grad_sink: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -168,6 +171,7 @@ class ShardedParam:
             self.policy.param_dtype,
             self.policy.reduce_dtype,
             self.fqn,
+            self.offload is not None,
         )
 
     @property
@@ -248,6 +252,7 @@ class ShardRoot:
     rank: int
     device: torch.device
     leaves: list = field(default_factory=list)  # weak references to leaf modules
+    offload: Any = None  # offload.params.Offload, when parameter shards are offloaded
 
     def __reduce__(self):
         # unpickled in a process with the same process group (or the default one)

@@ -21,6 +21,7 @@ from .passes import (
     lower_gathers,
     lower_reductions,
     prefetch_gathers,
+    prefetch_reloads,
     refuse_param_writes,
     tag_recompute,
     verify,
@@ -32,11 +33,18 @@ Pass = Callable[[fx.GraphModule, PassContext], None]
 
 DYNAMO_PASSES: tuple[Pass, ...] = (refuse_param_writes, hoist_shard_reads, dedupe_gathers)
 JOINT_PASSES: tuple[Pass, ...] = (dedupe_gathers, tag_recompute)
-FORWARD_PASSES: tuple[Pass, ...] = (assign_buckets, lower_gathers, prefetch_gathers, insert_guard)
+FORWARD_PASSES: tuple[Pass, ...] = (
+    assign_buckets,
+    lower_gathers,
+    prefetch_gathers,
+    prefetch_reloads,
+    insert_guard,
+)
 BACKWARD_PASSES: tuple[Pass, ...] = (
     assign_buckets,
     lower_gathers,
     prefetch_gathers,
+    prefetch_reloads,
     lower_reductions,
     insert_guard,
 )

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from . import guard
 from .compat import group_backend, mesh_from_group
 from .mixed_precision import MixedPrecision, install_hooks
+from .offload.params import Offload, loaded, offload_model, offloaded_states
 from .param import (
     ModuleState,
     ShardedParam,
@@ -72,6 +73,7 @@ def shard(
     device: torch.device | str | None = None,
     leaf_modules: Iterable[type | nn.Module] | None = None,
     sync_timeout_s: float = guard.DEFAULT_TIMEOUT_S,
+    offload: Offload | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place along dim 0 over ``group``; return ``module``.
 
@@ -83,6 +85,8 @@ def shard(
     leaf_modules: classes or modules whose parameters are gathered together when they are called
         (see ``set_leaf_modules``); modules with a child named ``experts`` always are.
     sync_timeout_s: how long a rank waits for the others at a cross-rank check before raising.
+    offload: ``Offload(params="disk" | "cpu", path=...)``: where parameter shards live between
+        uses (see ``zero3_compile.offload``).
     """
     policy = _policy(param_dtype, reduce_dtype, mp_policy)
     _check_can_shard(module)
@@ -94,11 +98,15 @@ def shard(
     mesh = mesh_from_group(group, device.type)
     guard.register_group(group, sync_timeout_s)
     root = ShardRoot(group, mesh, policy, world_size, rank, device)
+    if offload is not None and offload.params is not None:
+        offload.validate(device)
+        root.offload = offload
 
     canonical = {}  # id(original parameter) -> first name
     for name, param in named:
         canonical.setdefault(id(param), name)
     states: dict[int, ShardedParam] = {}  # id(original parameter) -> state
+    owned: list[tuple[str, nn.Module, dict[str, ShardedParam]]] = []
     for prefix, sub in module.named_modules():
         own = {}
         for attr, param in list(sub._parameters.items()):
@@ -110,9 +118,16 @@ def shard(
                 states[id(param)] = state
             sub._parameters[attr] = state.param
             own[attr] = state
+        owned.append((prefix, sub, own))
+    offloading = root.offload is not None and named and named[0][1].device.type != "meta"
+    if offloading:  # before the classes are made: the markers say the shards are offloaded
+        offload_model(root, list(states.values()), root.offload, device)
+    for prefix, sub, own in owned:
         _make_sharded(sub, ModuleState(params=own, root=root, prefix=prefix))
     install_hooks(module, policy)
     set_leaf_modules(module, list(leaf_modules or ()) + _detected_leaves(module))
+    if offloading:
+        _install_offload_state_dict_hooks(module)
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",
         rank,
@@ -588,3 +603,60 @@ def _gather_eagerly(members) -> list[torch.Tensor]:
     fulls = UnshardMany.apply(tuple(p.marker for p in params), *[p.local() for p in params])
     by_state = {id(p): gathered_parameter(f, p) for p, f in zip(params, fulls)}
     return [by_state[id(state.params[attr])] for state, attr, _ in members]
+
+
+# --------------------------------------------------------------------------- offloaded shards
+
+
+def _install_offload_state_dict_hooks(model: nn.Module) -> None:
+    """``state_dict()`` returns loaded copies of offloaded shards; ``load_state_dict()`` loads
+    them, copies in, and stores the new values (DCP goes through both)."""
+    for module in model.modules():
+        state = module_state(module)
+        if state is None or not any(p.offload is not None for p in state.params.values()):
+            continue
+        module.register_state_dict_post_hook(_state_dict_copies)
+        module._register_load_state_dict_pre_hook(_load_into_offloaded, with_module=True)
+    model.register_load_state_dict_post_hook(_store_after_load)
+
+
+def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
+    for attr, param_state in module_state(module).params.items():
+        key = prefix + attr
+        if param_state.offload is None or key not in state_dict:
+            continue
+        with loaded([param_state], write_back=False):
+            local = param_state.local().clone()
+        param = param_state.param
+        state_dict[key] = DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+
+_pending_loads: list = []
+
+
+def _load_into_offloaded(module, state_dict, prefix, *args) -> None:
+    from .offload.params import load_shards
+
+    states = [p for p in module_state(module).params.values() if p.offload is not None]
+    load_shards(states)
+    _pending_loads.extend(states)
+
+
+def _store_after_load(module, incompatible_keys) -> None:
+    from .offload.params import store_shards
+
+    states = list({id(s): s for s in _pending_loads}.values())
+    _pending_loads.clear()
+    store_shards(states)
+
+
+def offloaded_parameters_loaded(model: nn.Module, *, write_back: bool = False):
+    """Context manager: the model's offloaded shards in memory for the ``with`` block."""
+    return loaded(offloaded_states(model), write_back=write_back)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .param import is_sharded
+from .offload.params import loaded
+from .param import is_sharded, state_of
 
 
 def full_state_dict(
@@ -30,7 +31,9 @@ def full_state_dict(
         if param is not None and is_sharded(param):
             full = gathered.get(id(param))
             if full is None:
-                full = param.detach().full_tensor()
+                # an offloaded shard: state_dict() gave a loaded copy (shard.py)
+                source = value if state_of(param).offload is not None else param
+                full = source.detach().full_tensor()
                 gathered[id(param)] = full
         elif isinstance(value, DTensor):
             full = value.full_tensor()
@@ -127,10 +130,12 @@ def _load_one(key: str, source: torch.Tensor, target: torch.Tensor, param) -> No
                 f"zero3: {key!r} has shape {tuple(source.shape)} in the state dict, "
                 f"{tuple(param.shape)} in the model"
             )
-        local = param.to_local()
         world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
         chunks = torch.chunk(source, world, dim=0)
-        if rank < len(chunks):
-            local.copy_(chunks[rank])
+        state = state_of(param)
+        offloaded = [state] if state.offload is not None else []
+        with loaded(offloaded, write_back=True):
+            if rank < len(chunks):
+                param.to_local().copy_(chunks[rank])
     elif isinstance(target, torch.Tensor):
         target.copy_(source)

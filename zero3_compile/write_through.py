@@ -35,13 +35,20 @@ class _Link:
 
     @torch.no_grad()
     def write_back(self) -> None:
+        from .offload.params import loaded
+
         state = self.state
-        local = state.local()
         full = self.root
         rows = state.layout.local_rows(state.rank)
         start = state.rank * state.layout.rows_per_rank
-        if rows:
-            local.copy_(full.narrow(0, start, rows).to(local.dtype))
+        if not rows:
+            return
+        if state.offload is not None:  # into the store, as a new version
+            with loaded([state], write_back=True):
+                state.local().copy_(full.narrow(0, start, rows).to(state.local().dtype))
+            return
+        local = state.local()
+        local.copy_(full.narrow(0, start, rows).to(local.dtype))
 
 
 def _descriptor_access(func) -> tuple[str, str] | None:

@@ -45,8 +45,10 @@ def plot_graph(report: GraphReport, path: str) -> bool:
         lanes.text(g.issue, 1.6, str(g.bucket), fontsize=6, color="tab:blue")
     for r in report.reductions:
         lanes.barh(1, r.wait - r.issue, left=r.issue, height=0.6, color="tab:orange", alpha=0.75)
-    lanes.set_yticks([1, 2, 3], ["reduce-scatter", "all-gather", "compute"])
-    lanes.set_ylim(0.4, 3.6)
+    for r in report.reloads:
+        lanes.barh(0, r.wait - r.issue, left=r.issue, height=0.6, color="tab:purple", alpha=0.6)
+    lanes.set_yticks([0, 1, 2, 3], ["reload", "reduce-scatter", "all-gather", "compute"])
+    lanes.set_ylim(-0.6, 3.6)
     lanes.set_title(
         f"{report.kind} graph {report.graph_id}: {len(report.gathers)} all-gathers, "
         f"{len(report.reductions)} reduce-scatters (bars: issue to wait)"

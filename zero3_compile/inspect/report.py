@@ -11,6 +11,7 @@ import torch.fx as fx
 from ..compat import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER, group_backend, resolve_group
 from ..graph_facts import gathered_values, is_view
 from ..node_keys import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
+from ..ops import RELOAD
 from ..recording import GraphRecord
 from .memory import memory_timeline
 
@@ -42,6 +43,17 @@ class ReduceInfo:
 
 
 @dataclass
+class ReloadInfo:
+    """The read of an offloaded shard from its store (``shard(offload=...)``)."""
+
+    bucket: int  # the all-gather bucket it feeds
+    bytes: int
+    issue: int  # the reload node
+    wait: int  # its wait_tensor, right before the copy-in
+    compute_overlapped: int  # compute nodes between issue and wait
+
+
+@dataclass
 class SavedTensor:
     name: str
     shape: list[int]
@@ -56,6 +68,7 @@ class GraphReport:
     num_nodes: int
     gathers: list[GatherInfo] = field(default_factory=list)
     reductions: list[ReduceInfo] = field(default_factory=list)
+    reloads: list[ReloadInfo] = field(default_factory=list)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> count, bytes
     memory: list[int] = field(default_factory=list)  # bytes alive above the start, per node
     peak_bytes: int = 0
@@ -99,6 +112,13 @@ class GraphReport:
                     f"                   {r.bucket:>5}  {len(r.params):>6}  {r.bytes / mib:7.3f}  {r.ready:>5}  "
                     f"{r.issue:>5}  {r.wait:>4}  {r.compute_overlapped:>16}   {_names(r.params)}"
                 )
+        if self.reloads:
+            lines.append(
+                f"   reloads of offloaded shards: {len(self.reloads)}, "
+                f"{sum(r.bytes for r in self.reloads) / mib:.3f} MiB; issued "
+                f"{min(r.compute_overlapped for r in self.reloads)}-"
+                f"{max(r.compute_overlapped for r in self.reloads)} compute nodes before their wait"
+            )
         if self.kind == "forward":
             total = sum(s.bytes for s in self.saved)
             lines.append(f"   saved for backward: {len(self.saved)} tensors, {total / mib:.3f} MiB")
@@ -153,6 +173,17 @@ def build_report(record: GraphRecord) -> GraphReport:
                     params=list(node.meta.get(PARAMS, ())),
                     bytes=_nbytes(node.args[0].meta["val"]),
                     ready=max((pos[g] for g in grads), default=pos[node]),
+                    issue=pos[node],
+                    wait=pos[wait],
+                    compute_overlapped=sum(compute[pos[node] + 1 : pos[wait]]),
+                )
+            )
+        elif node.target is RELOAD:
+            (wait,) = node.users
+            report.reloads.append(
+                ReloadInfo(
+                    bucket=node.meta.get(BUCKET, -1),
+                    bytes=_nbytes(node.meta["val"]),
                     issue=pos[node],
                     wait=pos[wait],
                     compute_overlapped=sum(compute[pos[node] + 1 : pos[wait]]),
@@ -222,6 +253,7 @@ def step_peak_bytes(forward: GraphReport, backward: GraphReport | None) -> int:
 
 __all__ = [
     "GatherInfo",
+    "ReloadInfo",
     "GraphReport",
     "ReduceInfo",
     "SavedTensor",

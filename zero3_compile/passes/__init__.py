@@ -4,7 +4,8 @@ mutates in place.
 Dynamo graph (before AOTAutograd): refuse_param_writes, hoist_shard_reads, dedupe_gathers
 Joint graph (before partitioning):  dedupe_gathers, tag_recompute
 Forward / backward graphs:          assign_buckets, lower_gathers, prefetch_gathers,
-                                    lower_reductions (backward only), insert_guard
+                                    prefetch_reloads, lower_reductions (backward only),
+                                    insert_guard
 """
 
 from .bucketing import assign_buckets
@@ -14,7 +15,7 @@ from .insert_guard import insert_guard
 from .lower_gathers import lower_gathers
 from .lower_reductions import lower_reductions
 from .param_writes import refuse_param_writes
-from .prefetch import prefetch_gathers
+from .prefetch import prefetch_gathers, prefetch_reloads
 from .recompute import tag_recompute
 from .verify import check_no_gathered_saved, verify
 
@@ -27,6 +28,7 @@ __all__ = [
     "lower_gathers",
     "lower_reductions",
     "prefetch_gathers",
+    "prefetch_reloads",
     "refuse_param_writes",
     "tag_recompute",
     "verify",

@@ -20,8 +20,10 @@ from ..node_keys import (
     ROLE_GATHER_COPY_IN,
     ROLE_GATHER_COPY_OUT,
     ROLE_GATHER_WAIT,
+    ROLE_RELOAD,
+    ROLE_RELOAD_WAIT,
 )
-from ..ops import UNSHARD
+from ..ops import RELOAD, UNSHARD
 from ..param import UnshardCall
 
 
@@ -63,7 +65,8 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
       return relu
     ```
     A single-parameter bucket needs no copy-out: its first ``dim0`` gathered rows are the
-    parameter (padding sits only at the tail, see ``layout.py``).
+    parameter (padding sits only at the tail, see ``layout.py``). An offloaded shard is read
+    back first: ``reload(shard)`` and its ``wait_tensor``, right before the copy-in.
     """
     graph = gm.graph
     buckets: dict[int, list[fx.Node]] = defaultdict(list)
@@ -88,7 +91,19 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         for marker, full in zip(members, fulls):
             marker.replace_all_uses_with(full)
             graph.erase_node(marker)
+    _erase_unused_views(graph)
     graph.lint()
+
+
+def _erase_unused_views(graph: fx.Graph) -> None:
+    """Views nobody reads any more (an offloaded shard's: it holds no memory to view)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if not node.users and is_view(node):
+                graph.erase_node(node)
+                changed = True
 
 
 def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
@@ -113,6 +128,34 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
                 anchor.prepend(view)
 
 
+# Test-only switch: lower reloads without their waits, to show that Offload(poison=True) makes
+# a missing wait fail loudly (tests/test_offload.py). Never set it otherwise.
+_TEST_ONLY_DROP_RELOAD_WAITS = False
+
+
+def _reloaded(factory, call: UnshardCall) -> fx.Node:
+    """An offloaded shard read back from its store: ``reload`` then ``wait_tensor`` (the read is
+    moved earlier by ``prefetch_reloads``; the wait stays right before the copy-in).
+
+    The read starts from the graph input itself: an evicted shard holds no memory, so not even a
+    view of it may run; the views the graph applied to the input are applied to the read copy.
+    """
+    chain = []
+    node = call.shard
+    while is_view(node):
+        chain.append(node)
+        node = node.args[0]
+    started = factory(ROLE_RELOAD)(RELOAD, node)
+    if _TEST_ONLY_DROP_RELOAD_WAITS:  # the poison-mode test's broken schedule
+        value = started
+    else:
+        value = factory(ROLE_RELOAD_WAIT)(WAIT, started)
+    for view in reversed(chain):
+        args = (value, *view.args[1:])
+        value = factory(ROLE_RELOAD_WAIT)(view.target, *args, **view.kwargs)
+    return value
+
+
 def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
     calls = [UnshardCall.of(m) for m in members]
     args = [c.args for c in calls]
@@ -125,13 +168,15 @@ def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx
     if args[0].world_size == 1:
         return [
             factory(ROLE_GATHER_COPY_IN).splice(
-                functools.partial(arithmetic.single_rank_gather, dtype=dtype), [c.shard]
+                functools.partial(arithmetic.single_rank_gather, dtype=dtype),
+                [_reloaded(factory, c) if c.args.offloaded else c.shard],
             )
             for c in calls
         ]
     layouts = [a.layout for a in args]
+    shards = [_reloaded(factory, c) if c.args.offloaded else c.shard for c in calls]
     flat = factory(ROLE_GATHER_COPY_IN).splice(
-        lambda *shards: arithmetic.gather_copy_in(shards, layouts, dtype), [c.shard for c in calls]
+        lambda *shards: arithmetic.gather_copy_in(shards, layouts, dtype), shards
     )
     world, group = args[0].world_size, args[0].group_name
     gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, group)

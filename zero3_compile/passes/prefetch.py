@@ -19,6 +19,8 @@ from ..node_keys import (
     ROLE_GATHER_COPY_OUT,
     ROLE_GATHER_WAIT,
     ROLE_GUARD,
+    ROLE_RELOAD,
+    ROLE_RELOAD_WAIT,
 )
 
 
@@ -139,7 +141,7 @@ def _collect(graph: fx.Graph) -> dict[int, _Gather]:
     gathers: dict[int, _Gather] = defaultdict(_Gather)
     for node in graph.nodes:
         role = node.meta.get(ROLE)
-        if role in (ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
+        if role in (ROLE_RELOAD, ROLE_RELOAD_WAIT, ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
             gathers[node.meta[BUCKET]].issue.append(node)
             if node.target is ALL_GATHER:
                 val = node.meta["val"]
@@ -156,6 +158,8 @@ def _first_compute_node(graph: fx.Graph) -> fx.Node:
     """The first node that is not a placeholder, a view of one (hoisted shards) or a gather issue."""
     for node in graph.nodes:
         if node.op == "placeholder" or node.meta.get(ROLE) in (
+            ROLE_RELOAD,
+            ROLE_RELOAD_WAIT,
             ROLE_GATHER_COPY_IN,
             ROLE_ALL_GATHER,
         ):
@@ -166,3 +170,33 @@ def _first_compute_node(graph: fx.Graph) -> fx.Node:
             continue
         return node
     raise AssertionError("zero3: graph has no output node")
+
+
+def prefetch_reloads(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Issue the reads of offloaded shards ``reload_depth`` buckets ahead of their all-gather.
+
+    **Invariant** before: each offloaded shard is read by ``reload`` then ``wait_tensor`` right
+    before its bucket's copy-in (``lower_gathers``), issues in final order (``prefetch_gathers``).
+    After: the ``reload`` of bucket ``i`` sits right before the issue of bucket
+    ``i - reload_depth`` (at the top of the graph when there is none); waits do not move, so a
+    read overlaps the all-gathers and compute in between, and its buffer dies after the copy-in.
+    A graph without offloaded shards is unchanged.
+    """
+    graph = gm.graph
+    gathers = _collect(graph)
+    if not any(n.meta.get(ROLE) == ROLE_RELOAD for g in gathers.values() for n in g.issue):
+        return
+    order = node_order(graph)
+    ordered = sorted(gathers.values(), key=lambda g: order[g.issue[0]])
+    depth = ctx.options.reload_depth
+    top = _first_compute_node(graph)
+    for i, gather in enumerate(ordered):
+        reloads = [n for n in gather.issue if n.meta.get(ROLE) == ROLE_RELOAD]
+        if not reloads or depth == 0:
+            continue
+        earlier = i - depth
+        anchor = ordered[earlier].issue[0] if earlier >= 0 else top
+        if order[anchor] < order[reloads[0]]:
+            move_before(reloads, anchor)
+            order = node_order(graph)
+    graph.lint()

@@ -8,7 +8,7 @@ from ..compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from ..context import PassContext
 from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
-from ..ops import GUARD, REDUCE_GRAD, UNSHARD
+from ..ops import GUARD, REDUCE_GRAD, RELOAD, UNSHARD
 
 
 class ScheduleError(AssertionError):
@@ -50,8 +50,15 @@ def verify(
                 )
         elif node.target is WAIT:
             source = node.args[0]
-            if not (isinstance(source, fx.Node) and source.target in (ALL_GATHER, REDUCE_SCATTER)):
+            if not (
+                isinstance(source, fx.Node)
+                and source.target in (ALL_GATHER, REDUCE_SCATTER, RELOAD)
+            ):
                 raise ScheduleError(f"zero3: wait {node.name} does not read a collective")
+        elif node.target is RELOAD and lowered:
+            users = list(node.users)
+            if len(users) != 1 or users[0].target is not WAIT or order[users[0]] <= order[node]:
+                raise ScheduleError(f"zero3: reload {node.name} must be read through its wait")
         elif lowered and node.target in (UNSHARD, REDUCE_GRAD):
             raise ScheduleError(f"zero3: marker {node.name} survived lowering")
     if guarded and collectives:

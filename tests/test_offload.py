@@ -1,0 +1,397 @@
+"""Offload: parameter shards and optimizer state on disk between uses (2 gloo ranks).
+
+Every configuration is trained side by side with the same model without offload, in the same
+processes and on the same batches: losses, parameters and optimizer state must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import functools
+import importlib
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero3_compile as z3
+from zero3_compile.offload import store as store_module
+
+from .dist_utils import run_ranks, run_scenarios
+from .models import GPT, gpt_batch, gpt_loss
+
+
+def _optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _full_optimizer_state(opt) -> list[torch.Tensor]:
+    state = opt.state_dict()["state"]
+    return [
+        v.full_tensor() if hasattr(v, "full_tensor") else v
+        for key in sorted(state)
+        for _, v in sorted(state[key].items())
+    ]
+
+
+def _train(rank, world, model, opt, codegen, steps, accumulate, seed0=0):
+    step = (
+        model
+        if codegen is None
+        else torch.compile(model, backend="zero3", options={"codegen": codegen})
+    )
+    losses = []
+    for i in range(steps):
+        micro = 2 if accumulate else 1
+        for k in range(micro):
+            idx, targets = gpt_batch(2 * world, seed=100 * (seed0 + i) + k)
+            mine = slice(2 * rank, 2 * rank + 2)
+            if accumulate:
+                z3.set_requires_gradient_sync(model, k == micro - 1)
+            loss = gpt_loss(step, (idx[mine], targets[mine]))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def identical(rank, world, codegen, params_tier, opt_tier, optimizer, accumulate=False):
+    torch.manual_seed(0)
+    model = GPT()
+    twin = copy.deepcopy(model)
+    offload = z3.Offload(params=params_tier) if params_tier else None
+    z3.shard(model, offload=offload, sync_timeout_s=120)
+    z3.shard(twin, sync_timeout_s=120)
+    opt = _optimizer(optimizer, model.parameters())
+    if opt_tier:
+        opt = z3.offload_optimizer(opt, tier=opt_tier, tile_mb=0.05)
+    twin_opt = _optimizer(optimizer, twin.parameters())
+    losses = _train(rank, world, model, opt, codegen, 3, accumulate)
+    twin_losses = _train(rank, world, twin, twin_opt, codegen, 3, accumulate)
+    params, twin_params = z3.full_state_dict(model), z3.full_state_dict(twin)
+    state, twin_state = _full_optimizer_state(opt), _full_optimizer_state(twin_opt)
+    evicted = [
+        name
+        for name, p in model.named_parameters()
+        if params_tier and p.to_local().untyped_storage().nbytes() != 0
+    ]
+    resident_state = sum(
+        (v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes()
+        for s in opt.state.values()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    return {
+        "losses_equal": losses == twin_losses,
+        "params_equal": all(torch.equal(params[k], twin_params[k]) for k in twin_params),
+        "state_equal": len(state) == len(twin_state)
+        and all(torch.equal(a, b) for a, b in zip(state, twin_state)),
+        "not_evicted": evicted,
+        "resident_state": resident_state if opt_tier else 0,
+        "trained": losses[-1] != losses[0],
+    }
+
+
+def checkpoint_roundtrip(rank, world, folder):
+    """Offloaded model and optimizer saved with DCP, loaded into fresh offloaded ones, trained on:
+    identical to a run without offload that never stopped."""
+    torch.manual_seed(0)
+    model, twin = GPT(), None
+    twin = copy.deepcopy(model)
+    z3.shard(model, offload=z3.Offload(params="disk"), sync_timeout_s=120)
+    z3.shard(twin, sync_timeout_s=120)
+    opt = z3.offload_optimizer(_optimizer("adamw", model.parameters()), tile_mb=0.05)
+    twin_opt = _optimizer("adamw", twin.parameters())
+    _train(rank, world, model, opt, "eager", 2, False)
+    _train(rank, world, twin, twin_opt, "eager", 2, False)
+    z3.save_checkpoint(folder, model, opt)
+    torch.manual_seed(123)
+    fresh = GPT()
+    z3.shard(fresh, offload=z3.Offload(params="disk"), sync_timeout_s=120)
+    fresh_opt = z3.offload_optimizer(_optimizer("adamw", fresh.parameters()), tile_mb=0.05)
+    z3.load_checkpoint(folder, fresh, fresh_opt)
+    losses = _train(rank, world, fresh, fresh_opt, "eager", 2, False, seed0=2)
+    twin_losses = _train(rank, world, twin, twin_opt, "eager", 2, False, seed0=2)
+    a, b = z3.full_state_dict(fresh), z3.full_state_dict(twin)
+    return {
+        "losses_equal": losses == twin_losses,
+        "params_equal": all(torch.equal(a[k], b[k]) for k in b),
+    }
+
+
+def failed_step(rank, world):
+    """An I/O error in the middle of step(): the previous parameters and optimizer state remain."""
+    torch.manual_seed(0)
+    model = z3.shard(GPT(), offload=z3.Offload(params="disk"), sync_timeout_s=120)
+    opt = z3.offload_optimizer(_optimizer("sgd", model.parameters()), tile_mb=0.05)
+    _train(rank, world, model, opt, "eager", 1, False)
+    before, before_state = z3.full_state_dict(model), _full_optimizer_state(opt)
+    idx, targets = gpt_batch(2 * world, seed=9)
+    gpt_loss(model, (idx[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])).backward()
+    original = store_module.DiskStore._transfer
+    writes = {"n": 0}
+
+    def failing(self, tensor, offset, nbytes, write):
+        if write:
+            writes["n"] += 1
+            if writes["n"] == 5:
+                raise OSError(errno.EIO, "Input/output error (simulated)")
+        return original(self, tensor, offset, nbytes, write)
+
+    store_module.DiskStore._transfer = failing
+    try:
+        opt.step()
+        error = "no error"
+    except OSError as failure:
+        error = str(failure)
+    finally:
+        store_module.DiskStore._transfer = original
+    after, after_state = z3.full_state_dict(model), _full_optimizer_state(opt)
+    return {
+        "error": error,
+        "params_unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "state_unchanged": all(torch.equal(a, b) for a, b in zip(before_state, after_state)),
+    }
+
+
+def poison(rank, world, drop_waits):
+    """Offload(poison=True): evicted and in-flight shards hold NaN until waited for."""
+    module = importlib.import_module("zero3_compile.passes.lower_gathers")
+    torch.manual_seed(0)
+    model = GPT()
+    twin = copy.deepcopy(model)
+    z3.shard(model, offload=z3.Offload(params="disk", poison=True), sync_timeout_s=120)
+    z3.shard(twin, sync_timeout_s=120)
+    module._TEST_ONLY_DROP_RELOAD_WAITS = drop_waits
+    try:
+        options = {"codegen": "eager", "verify": not drop_waits}
+        loss = gpt_loss(torch.compile(model, backend="zero3", options=options), gpt_batch(2))
+        twin_loss = gpt_loss(twin, gpt_batch(2))
+    finally:
+        module._TEST_ONLY_DROP_RELOAD_WAITS = False
+    return {"loss": loss.item(), "twin_loss": twin_loss.item()}
+
+
+def bad_setups(rank, world, folder):
+    out = {}
+    blocked = os.path.join(folder, "file-not-folder")
+    if rank == 0:
+        open(blocked, "w").close()
+    dist.barrier()
+    path = blocked if rank == 1 else os.path.join(folder, "ok")  # only rank 1's path is bad
+    try:
+        z3.shard(nn.Linear(8, 8), offload=z3.Offload(params="disk", path=path))
+        out["bad_path"] = "no error"
+    except OSError as error:
+        out["bad_path"] = str(error)
+    try:
+        z3.shard(nn.Linear(8, 8), offload=z3.Offload(params="cpu"))
+        out["cpu_tier"] = "no error"
+    except ValueError as error:
+        out["cpu_tier"] = str(error)
+    original = os.posix_fallocate
+
+    def full_disk(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.posix_fallocate = full_disk if rank == 0 else original  # only rank 0's disk is full
+    try:
+        z3.shard(nn.Linear(8, 8), offload=z3.Offload(params="disk", path=folder))
+        out["full_disk"] = "no error"
+    except OSError as error:
+        out["full_disk"] = str(error)
+    finally:
+        os.posix_fallocate = original
+    return out
+
+
+def _scenario(rank, world, name, *args):
+    torch._dynamo.reset()
+    return globals()[name](rank, world, *args)
+
+
+CASES = [
+    ("identical", "eager", "disk", None, "sgd"),
+    ("identical", "eager", None, "disk", "adamw"),
+    ("identical", "eager", "disk", "disk", "adamw"),
+    ("identical", "inductor", "disk", "disk", "sgd"),
+    ("identical", None, "disk", "disk", "adamw"),
+    ("identical", "eager", "disk", "disk", "sgd", True),
+    ("failed_step",),
+    ("poison", False),
+    ("poison", True),
+]
+
+
+@functools.cache
+def _results(folder: str):
+    cases = CASES + [("checkpoint_roundtrip", os.path.join(folder, "ckpt")), ("bad_setups", folder)]
+    return run_scenarios(_scenario, 2, cases, timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def results():
+    folder = tempfile.mkdtemp(prefix="zero3-offload-test-")
+    folders = {"checkpoint_roundtrip": (os.path.join(folder, "ckpt"),), "bad_setups": (folder,)}
+    try:
+        yield lambda *case: _results(folder)[case + folders.get(case[0], ())]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "identical"], ids=str)
+def test_offloaded_training_is_bit_identical(results, case):
+    for r in results(*case):
+        assert r["losses_equal"] and r["params_equal"] and r["state_equal"], r
+        assert r["trained"]
+        assert r["not_evicted"] == []  # every offloaded shard holds no memory between steps
+        assert r["resident_state"] == 0  # nor does the offloaded optimizer state
+
+
+def test_checkpoint_of_an_offloaded_run_resumes_identically(results):
+    for r in results("checkpoint_roundtrip"):
+        assert r["losses_equal"] and r["params_equal"]
+
+
+def test_failed_step_keeps_the_previous_training_state(results):
+    for r in results("failed_step"):
+        assert "Input/output error" in r["error"]
+        assert r["params_unchanged"] and r["state_unchanged"]
+
+
+def test_poison_mode_passes_with_waits_and_fails_without(results):
+    for r in results("poison", False):
+        assert r["loss"] == pytest.approx(r["twin_loss"], rel=1e-6)
+    for r in results("poison", True):
+        assert r["loss"] != r["loss"], r  # NaN: a read without its wait shows
+
+
+def test_bad_setups_fail_clearly_on_every_rank(results):
+    per_rank = results("bad_setups")
+    for rank, r in enumerate(per_rank):
+        if rank == 1:
+            assert "cannot" in r["bad_path"] and "file-not-folder" in r["bad_path"], r
+        else:
+            assert "another rank could not set up its offload store" in r["bad_path"], r
+        assert "Use Offload(params='disk')" in r["cpu_tier"]
+        if rank == 0:
+            assert "No space left" in r["full_disk"] and "bytes" in r["full_disk"], r
+            assert "rank0.params.bin" in r["full_disk"]
+        else:
+            assert "another rank" in r["full_disk"], r
+
+
+# ------------------------------------------------------------------------- memory and estimate
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+
+class Wide(nn.Module):
+    """Big parameters, cheap compute: 4 x 2048^2 = 16.8M parameters (134 MB of AdamW state
+    per rank at 2 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(2048, 2048, bias=False) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _memory(rank, world, offloaded):
+    torch.manual_seed(0)
+    model = Wide()
+    offload = z3.Offload(params="disk") if offloaded else None
+    z3.shard(model, offload=offload, sync_timeout_s=120)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if offloaded:
+        opt = z3.offload_optimizer(opt, tile_mb=16)
+    step = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+    for _ in range(2):
+        step(torch.randn(8, 2048)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep the gradient shards: they are not offloaded
+    shard = sum(p.to_local().numel() * 4 for p in model.parameters())
+    estimate = z3.estimate_memory(Wide(), world, optimizer="adamw")
+    resident = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+    resident += sum(p.grad.to_local().untyped_storage().nbytes() for p in model.parameters())
+    resident += sum(
+        v.to_local().untyped_storage().nbytes()
+        for s in opt.state.values()
+        for k, v in s.items()
+        if k != "step"
+    )
+    import ctypes
+    import gc
+
+    gc.collect()
+    # memory freed by torch goes back to glibc's arenas (the offload's I/O threads allocate in
+    # their own); hand it back to the system before reading what is resident
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return {
+        "rss_anon": _rss_anon(),
+        "offloaded_bytes": 3 * shard if offloaded else 0,  # parameters + exp_avg + exp_avg_sq
+        "resident": resident,
+        "estimate": {row.setting: row.resident for row in estimate.rows},
+    }
+
+
+@functools.cache
+def memory_runs():
+    return run_ranks(_memory, 2, False, timeout=600), run_ranks(_memory, 2, True, timeout=600)
+
+
+def test_offload_frees_at_least_80_percent_of_the_offloaded_bytes_of_resident_memory():
+    plain, offloaded = memory_runs()
+    for rank in range(2):
+        saved = plain[rank]["rss_anon"] - offloaded[rank]["rss_anon"]
+        wanted = offloaded[rank]["offloaded_bytes"]
+        assert wanted > 90e6
+        assert saved >= 0.8 * wanted, (saved / 2**20, wanted / 2**20)
+
+
+def test_memory_estimate_within_5_percent_of_what_the_run_holds():
+    plain, offloaded = memory_runs()
+    for run, setting in ((plain, "ZeRO-3"), (offloaded, "ZeRO-3, params + optimizer offloaded")):
+        for r in run:
+            estimated = r["estimate"][setting]
+            assert abs(estimated - r["resident"]) <= 0.05 * max(r["resident"], 1), (setting, r)
+
+
+def test_estimate_command_prints_the_7b_table():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "zero3_compile.estimate", "--model", "llama-7b", "--world", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "6.74B parameters" in out.stdout
+    assert (
+        "data parallel (DDP)                       26.95     26.95      53.91    107.81"
+        in out.stdout
+    )
+    assert (
+        "ZeRO-3                                     6.74      6.74      13.48     26.95"
+        in out.stdout
+    )
+    assert "16 bytes per parameter" in out.stdout

@@ -1,0 +1,16 @@
+"""Offload: parameter shards and optimizer state in host memory or on disk between uses.
+
+```python
+model = z3.shard(model, offload=z3.Offload(params="disk", path="/nvme/run1"))   # or "cpu", None
+opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), tier="disk", path="/nvme/run1")
+```
+See ``params.py`` (parameter shards, reloaded by graph nodes ahead of their all-gathers),
+``optimizer.py`` (optimizer state streamed in tiles through ``step()``), ``store.py`` (the
+tiers) and ``zero3_compile.estimate`` (what stays resident).
+"""
+
+from .optimizer import offload_optimizer
+from .params import Offload
+from .store import OffloadError
+
+__all__ = ["Offload", "OffloadError", "offload_optimizer"]

@@ -1,0 +1,367 @@
+"""Optimizer state that lives in an offload store between steps, streamed through ``step()``.
+
+```python
+opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), tier="disk", path=p)
+```
+Any ``torch.optim`` optimizer whose state is per parameter (SGD with momentum, Adam, AdamW,
+Adagrad, RMSprop...). Between steps its state tensors (``exp_avg``, ``momentum_buffer``...; not
+the 0-dim ``step`` counters) are in the store and hold no memory. ``step()`` walks the parameters
+in tiles of about ``tile_mb``: it reads tile i+1 (states, and offloaded parameter shards) while
+tile i steps, and writes tile i-1 back meanwhile, so at most ``read_ahead + 2`` tiles are in
+memory. The inner optimizer runs unchanged on each tile, so results are bit-identical to the
+same optimizer without offload.
+
+Writes go to the free slot of each region and become current only when every tile was written
+(``DiskStore.commit``): a step interrupted by an I/O error leaves the previous state on disk.
+
+``state_dict()`` returns the state read back (tensors of their own); ``load_state_dict()`` stores
+what it loaded; ``zero3_compile.save_checkpoint`` / ``load_checkpoint`` (DCP) go through both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..param import state_of
+from .params import _evict as evict_shard
+from .params import _fill as fill_shard
+from .store import DiskStore, HostStore, Region
+
+log = logging.getLogger(__name__)
+
+
+def offload_optimizer(
+    optimizer: torch.optim.Optimizer,
+    tier: str = "disk",
+    path: str | None = None,
+    *,
+    tile_mb: float = 64.0,
+    read_ahead: int = 1,
+    threads: int = 4,
+    o_direct: bool = False,
+    poison: bool = False,
+) -> torch.optim.Optimizer:
+    """Keep ``optimizer``'s state in ``tier`` ("disk" or, for accelerator models, "cpu") between
+    steps; returns the same optimizer object (``isinstance`` checks and DCP keep working)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"zero3: offload_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "zero3: offload_optimizer needs an optimizer whose state is per parameter; LBFGS "
+            "keeps a history across all parameters and re-evaluates a closure"
+        )
+    if tier not in ("disk", "cpu"):
+        raise ValueError(f"zero3: offload_optimizer(tier={tier!r}) must be 'disk' or 'cpu'")
+    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+    if tier == "cpu" and devices <= {"cpu"}:
+        raise ValueError(
+            "zero3: offload_optimizer(tier='cpu') keeps state in host memory for accelerator "
+            "models; this optimizer's parameters already live in host memory. Use tier='disk'."
+        )
+    if not (isinstance(read_ahead, int) and read_ahead >= 0):
+        raise ValueError(f"zero3: read_ahead must be an int >= 0, got {read_ahead!r}")
+    if getattr(optimizer, "_zero3_tiled", False):
+        raise ValueError("zero3: this optimizer is offloaded already")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    store = (
+        HostStore()
+        if tier == "cpu"
+        else DiskStore(path, "optimizer", rank, threads=threads, o_direct=o_direct)
+    )
+    offloaded = _OptimizerOffload(optimizer, store, int(tile_mb * 2**20), read_ahead, poison)
+    optimizer.__dict__["_zero3_tiled"] = True
+    optimizer.__dict__["_zero3_offload"] = offloaded
+    optimizer.step = types.MethodType(_step, optimizer)
+    optimizer.state_dict = types.MethodType(_state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
+    if any(optimizer.state.values()):  # state that exists already goes to the store now
+        offloaded.store_all()
+    return optimizer
+
+
+def _step(self, closure=None):
+    if closure is not None:
+        raise ValueError(
+            "zero3: an offloaded optimizer steps in tiles and cannot re-evaluate a closure; "
+            "compute the loss and call backward() before step()"
+        )
+    return self._zero3_offload.step()
+
+
+def _state_dict(self):
+    return self._zero3_offload.state_dict()
+
+
+def _load_state_dict(self, state_dict):
+    return self._zero3_offload.load_state_dict(state_dict)
+
+
+class _OptimizerOffload:
+    def __init__(self, optimizer, store, tile_bytes: int, read_ahead: int, poison: bool):
+        self.optimizer = optimizer
+        self.store: DiskStore | HostStore = store
+        self.tile_bytes = max(tile_bytes, 1)
+        self.read_ahead = read_ahead
+        self.poison = poison
+        self.regions: dict[tuple[int, str], Region] = {}  # (id(param), key) -> region
+        self.evicted: set[tuple[int, str]] = set()
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero3-opt")
+        self.tiles_resident_max = 0
+
+    # ------------------------------------------------------------------ tensors of a param
+
+    def _offloadable(self, param) -> dict[str, torch.Tensor]:
+        """The param's state tensors that go to the store, as local (per-rank) tensors."""
+        state = self.optimizer.state.get(param, {})
+        return {
+            k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+
+    def _load(self, param) -> None:
+        for key, tensor in self._offloadable(param).items():
+            handle = (id(param), key)
+            if handle in self.evicted:
+                if not self.poison:
+                    tensor.untyped_storage().resize_(self.regions[handle].nbytes)
+                self.store.read(self.regions[handle], tensor)
+                self.evicted.discard(handle)
+        shard = state_of(param)
+        if shard is not None and shard.offload is not None and shard.offload.evicted:
+            fill_shard(shard)
+
+    def _write(self, param) -> None:
+        """Write the param's (changed) state, and its offloaded shard, to the free slots."""
+        for key, tensor in self._offloadable(param).items():
+            handle = (id(param), key)
+            region = self.regions.get(handle)
+            if region is None:
+                region = self.regions[handle] = self.store.allocate(
+                    tensor.numel() * tensor.element_size()
+                )
+            self.store.write(region, tensor.contiguous())
+        shard = state_of(param)
+        if shard is not None and shard.offload is not None and not shard.offload.evicted:
+            shard.offload.store.write(shard.offload.region, shard.local().detach().contiguous())
+
+    def _evict(self, param) -> None:
+        for key, tensor in self._offloadable(param).items():
+            self._evict_one((id(param), key), tensor)
+        shard = state_of(param)
+        if shard is not None and shard.offload is not None and not shard.offload.evicted:
+            evict_shard(shard)
+
+    def _commit(self, params) -> None:
+        for param in params:
+            for key in self._offloadable(param):
+                region = self.regions.get((id(param), key))
+                if region is not None:
+                    self.store.commit(region)
+            shard = state_of(param)
+            if shard is not None and shard.offload is not None:
+                shard.offload.store.commit(shard.offload.region)
+
+    def _abandon(self, params) -> None:
+        """A step failed: forget its writes and its in-memory values; every offloaded tensor
+        reads its previous, committed version again. (Parameters that are not offloaded were
+        updated in place for the tiles that stepped: restore them from a checkpoint.)"""
+        self._discard(params)
+        for param in params:
+            for key in self._offloadable(param):
+                handle = (id(param), key)
+                if handle in self.regions and handle not in self.evicted:
+                    self._evict_one(handle, self._offloadable(param)[key])
+            shard = state_of(param)
+            if shard is not None and shard.offload is not None and not shard.offload.evicted:
+                evict_shard(shard)
+
+    def _evict_one(self, handle, tensor) -> None:
+        with torch.no_grad():
+            if self.poison:
+                tensor.fill_(float("nan"))
+            else:
+                tensor.untyped_storage().resize_(0)
+        self.evicted.add(handle)
+
+    def _discard(self, params) -> None:
+        for param in params:
+            for key in self._offloadable(param):
+                region = self.regions.get((id(param), key))
+                if region is not None:
+                    self.store.discard(region)
+            shard = state_of(param)
+            if shard is not None and shard.offload is not None:
+                shard.offload.store.discard(shard.offload.region)
+
+    # ------------------------------------------------------------------ the step
+
+    def _nbytes(self, param) -> int:
+        local = _local(param)
+        per_element = local.element_size()
+        kinds = max(len(self._offloadable(param)), 2)  # before the first step: Adam-sized
+        return local.numel() * per_element * (kinds + 1)
+
+    def _tiles(self, params) -> list[list]:
+        tiles, current, size = [], [], 0
+        for param in params:
+            nbytes = self._nbytes(param)
+            if current and size + nbytes > self.tile_bytes:
+                tiles.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += nbytes
+        if current:
+            tiles.append(current)
+        return tiles
+
+    def step(self):
+        optimizer = self.optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        tiles = self._tiles(params)
+        # the small per-parameter values stay in memory (step counters): kept to undo a failure
+        scalars = {
+            (param, key): value.clone() if isinstance(value, torch.Tensor) else value
+            for param in params
+            for key, value in optimizer.state.get(param, {}).items()
+            if not (isinstance(value, torch.Tensor) and value.dim() > 0)
+        }
+        fresh = [p for p in params if not optimizer.state.get(p)]  # state created by this step
+        loads: dict[int, Future] = {}
+        writes: list[Future] = []
+        resident = 0
+
+        def load(i: int) -> None:
+            if i < len(tiles) and i not in loads:
+                loads[i] = self.workers.submit(lambda: [self._load(p) for p in tiles[i]])
+
+        def write_and_evict(tile) -> None:
+            for param in tile:
+                self._write(param)
+            for param in tile:
+                self._evict(param)
+
+        try:
+            for i in range(self.read_ahead + 1):
+                load(i)
+            for i, tile in enumerate(tiles):
+                for j in range(i + 1, i + 1 + self.read_ahead):
+                    load(j)
+                waited = time.perf_counter()
+                loads.pop(i).result()
+                self.store.count_wait(time.perf_counter() - waited)
+                resident = sum(1 for f in loads.values()) + 1 + sum(not w.done() for w in writes)
+                self.tiles_resident_max = max(self.tiles_resident_max, resident)
+                self._step_tile(tile)
+                writes.append(self.workers.submit(write_and_evict, tile))
+            waited = time.perf_counter()
+            for future in writes:
+                future.result()
+            self.store.count_wait(time.perf_counter() - waited)
+        except BaseException:
+            for future in list(loads.values()) + writes:
+                try:
+                    future.result()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            self._abandon(params)
+            for param in fresh:  # back to "no state yet", as before the step
+                optimizer.state.pop(param, None)
+                for key in [k for k in self.regions if k[0] == id(param)]:
+                    self.regions.pop(key)
+                    self.evicted.discard(key)
+            for (param, key), value in scalars.items():
+                state = optimizer.state[param]
+                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value
+            raise
+        self._commit(params)
+        return None
+
+    def _step_tile(self, tile) -> None:
+        optimizer = self.optimizer
+        members = {id(p) for p in tile}
+        saved = [group["params"] for group in optimizer.param_groups]
+        try:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in members]
+            type(optimizer).step(optimizer)
+        finally:
+            for group, params in zip(optimizer.param_groups, saved):
+                group["params"] = params
+
+    # ------------------------------------------------------------------ state dicts
+
+    def store_all(self) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        loaded = [p for p in params if self._offloadable(p)]
+        try:
+            for param in loaded:
+                self._write(param)
+        except BaseException:
+            self._discard(loaded)
+            raise
+        self._commit(loaded)
+        for param in loaded:
+            self._evict(param)
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = self.optimizer
+        packed = type(optimizer).state_dict(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        for param in params:
+            entry = packed["state"].get(index[id(param)])
+            if entry is None:
+                continue
+            # the packed entry is the optimizer's own per-parameter dict: never modify that one
+            entry = packed["state"][index[id(param)]] = dict(entry)
+            for key, local in self._offloadable(param).items():
+                handle = (id(param), key)
+                if handle in self.evicted:
+                    copy = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                    self.store.read(self.regions[handle], copy)
+                else:
+                    copy = local.clone()
+                entry[key] = _like(entry[key], copy)
+        return packed
+
+    def load_state_dict(self, state_dict) -> None:
+        optimizer = self.optimizer
+        type(optimizer).load_state_dict(optimizer, state_dict)
+        self.evicted = set()  # the loaded tensors are new and in memory
+        self.store_all()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (what the store holds), outside autograd."""
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor.detach()
+    return tensor.detach()
+
+
+def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the same kind of tensor as ``template`` (a DTensor with its layout)."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(
+            local,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    return local
+
+
+__all__ = ["offload_optimizer"]

@@ -1,0 +1,325 @@
+"""Parameter shards that live in an offload store between uses.
+
+An offloaded shard's tensor keeps its shape but holds no memory while evicted (its storage is
+resized to zero bytes; with ``Offload(poison=True)`` it is filled with NaN instead, so a read
+without a reload shows). It comes back:
+
+- in compiled graphs: ``zero3::reload(shard)`` nodes, issued ahead of the all-gather that needs
+  them and waited (``wait_tensor``) right before the copy-in; the reloaded copy dies after the
+  copy-in, nothing is written back (``passes/lower_gathers.py``, ``passes/prefetch.py``);
+- in eager code (uncompiled models, graph breaks, leaf modules): a synchronous read into a
+  temporary (``readable``);
+- for the optimizer step, ``state_dict()`` / ``load_state_dict()`` and checkpoints: loaded into
+  the parameter itself (``loaded``), and written back (as a new version, committed once every
+  write succeeded) and evicted again when the values changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..compat import storage_key
+from .store import DiskStore, HostStore, OffloadError, Region
+
+log = logging.getLogger(__name__)
+
+TIERS = ("cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where parameter shards live between uses.
+
+    params: "disk" (a file per rank under ``path``: for CPU and accelerator models), "cpu"
+        (pinned host memory: for accelerator models; a CPU model is in host memory already, use
+        "disk"), or None (no offload).
+    path: folder of the disk tier (default: a private temporary folder removed at exit).
+    o_direct: open the file with O_DIRECT (through aligned staging buffers), falling back to
+        buffered I/O where the file system refuses it.
+    threads: I/O threads of the disk tier.
+    poison: debug mode: evicted shards and reloads still in flight hold NaN, so any read that is
+        not preceded by its wait shows up as NaN in the results.
+    """
+
+    params: str | None = None
+    path: str | None = None
+    o_direct: bool = False
+    threads: int = 4
+    poison: bool = False
+
+    def validate(self, device: torch.device) -> None:
+        if self.params not in (None, *TIERS):
+            raise ValueError(
+                f"zero3: Offload(params={self.params!r}) must be 'cpu', 'disk' or None"
+            )
+        if self.params == "cpu" and device.type == "cpu":
+            raise ValueError(
+                "zero3: Offload(params='cpu') keeps shards in host memory for accelerator models; "
+                "this model already lives in host memory. Use Offload(params='disk') to move "
+                "idle shards out of memory."
+            )
+        if not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ValueError(
+                f"zero3: Offload(threads=...) must be an int >= 1, got {self.threads!r}"
+            )
+
+
+@dataclass(eq=False)
+class OffloadedShard:
+    """The offload record of one sharded parameter."""
+
+    store: DiskStore | HostStore
+    region: Region
+    poison: bool
+    evicted: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.nbytes
+
+
+# storage of an offloaded shard -> its parameter state (the graphs' reload op looks it up)
+_by_storage: dict = {}
+_lock = threading.Lock()
+
+
+def offloaded(state) -> OffloadedShard | None:
+    return getattr(state, "offload", None)
+
+
+def register(state, store: DiskStore | HostStore, poison: bool) -> None:
+    """Give ``state`` (a ShardedParam) a region in ``store`` and evict its shard."""
+    local = _data(state)
+    nbytes = local.numel() * local.element_size()
+    record = OffloadedShard(store, store.allocate(nbytes), poison)
+    state.offload = record
+    with _lock:
+        _by_storage[storage_key(local)] = state
+    store.write_current(record.region, local.contiguous())
+    _evict(state)
+
+
+def _data(state) -> torch.Tensor:
+    """The shard's tensor outside autograd (for I/O and eviction)."""
+    return state.local().detach()
+
+
+def _evict(state) -> None:
+    record = state.offload
+    local = _data(state)
+    if record.poison:
+        local.fill_(float("nan"))
+    else:
+        local.untyped_storage().resize_(0)
+    record.evicted = True
+
+
+def _fill(state) -> None:
+    """Bring an evicted shard back into its own parameter."""
+    record = state.offload
+    local = _data(state)
+    if not record.poison:
+        local.untyped_storage().resize_(record.nbytes)
+    record.store.read(record.region, local)
+    record.evicted = False
+
+
+def state_of_storage(shard: torch.Tensor):
+    with _lock:
+        return _by_storage.get(storage_key(shard))
+
+
+def readable(shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` itself, or for an evicted offloaded shard a temporary read from its store."""
+    state = state_of_storage(shard)
+    if state is None or not state.offload.evicted:
+        return shard
+    out = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
+    state.offload.store.read(state.offload.region, out)
+    return out
+
+
+def reload_async(shard: torch.Tensor):
+    """A new tensor that receives ``shard``'s committed values from its store, and the function
+    that waits for it (``wait_tensor`` calls it).
+
+    Poison mode: the tensor holds NaN and the read only happens when it is waited for, so a
+    consumer that reads it without the wait sees NaN, deterministically.
+    """
+    state = state_of_storage(shard)
+    out = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
+    if state is None or not state.offload.evicted:
+        out.copy_(shard)
+        return out, _done
+    record = state.offload
+    if record.poison:
+        out.fill_(float("nan"))
+        return out, lambda: record.store.read(record.region, out)
+    future = record.store.read_async(record.region, out)
+    store = record.store
+
+    def wait() -> None:
+        start = time.perf_counter()
+        future.result()
+        store.count_wait(time.perf_counter() - start)
+
+    return out, wait
+
+
+def _done() -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- whole-model access
+
+
+def offloaded_states(model_or_params) -> list:
+    from ..param import state_of
+
+    params = (
+        model_or_params.parameters()
+        if isinstance(model_or_params, torch.nn.Module)
+        else model_or_params
+    )
+    found, seen = [], set()
+    for param in params:
+        state = state_of(param)
+        if state is not None and offloaded(state) is not None and id(state) not in seen:
+            seen.add(id(state))
+            found.append(state)
+    return found
+
+
+@contextlib.contextmanager
+def loaded(states: Iterable, *, write_back: bool) -> Iterator[None]:
+    """Offloaded shards in their parameters for the ``with`` block; evicted again after it
+    (written back as a new, committed version first when ``write_back``)."""
+    filled = []
+    try:
+        for state in states:
+            if state.offload.evicted:
+                _fill(state)
+                filled.append(state)
+        yield
+        if write_back:
+            for state in filled:
+                state.offload.store.write(state.offload.region, _data(state).contiguous())
+            for state in filled:
+                state.offload.store.commit(state.offload.region)
+    except BaseException:
+        for state in filled:
+            state.offload.store.discard(state.offload.region)
+        raise
+    finally:
+        for state in filled:
+            _evict(state)
+
+
+def load_shards(states: Iterable) -> None:
+    for state in states:
+        if state.offload.evicted:
+            _fill(state)
+
+
+def store_shards(states: Iterable) -> None:
+    """Write loaded (changed) shards back as a new version, commit, evict."""
+    states = [s for s in states if not s.offload.evicted]
+    try:
+        for state in states:
+            state.offload.store.write(state.offload.region, _data(state).contiguous())
+    except BaseException:
+        for state in states:
+            state.offload.store.discard(state.offload.region)
+        raise
+    for state in states:
+        state.offload.store.commit(state.offload.region)
+        _evict(state)
+
+
+# --------------------------------------------------------------------------- setting up
+
+
+def offload_model(root, states: list, offload: Offload, device: torch.device) -> None:
+    """Create the store and evict every shard of ``states``; every rank raises if any rank failed
+    (an unwritable path or a full disk on one rank must not leave the others waiting)."""
+    offload.validate(device)
+    failure = None
+    try:
+        store = (
+            HostStore()
+            if offload.params == "cpu"
+            else DiskStore(
+                offload.path,
+                "params",
+                dist.get_rank(),
+                threads=offload.threads,
+                o_direct=offload.o_direct,
+            )
+        )
+        for state in states:
+            register(state, store, offload.poison)
+    except OffloadError as error:
+        failure = error
+    _agree(root.group, failure)
+    _install_optimizer_hooks()
+    log.debug(
+        "zero3: offloaded %d parameter shards (%.1f MiB) to %s",
+        len(states),
+        sum(s.offload.nbytes for s in states) / 2**20,
+        offload.params,
+    )
+
+
+def _agree(group, failure: Exception | None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, group=group)
+        if failure is None and int(flag) > 0:
+            raise OffloadError(
+                0, "zero3: another rank could not set up its offload store (see its error)"
+            )
+    if failure is not None:
+        raise failure
+
+
+_hooks_installed = False
+
+
+def _install_optimizer_hooks() -> None:
+    """Plain optimizers over offloaded parameters: load them for ``step()``, store them after.
+    (``offload_optimizer`` streams them tile by tile instead.)"""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def pre(optimizer, args, kwargs):
+        if getattr(optimizer, "_zero3_tiled", False):
+            return
+        states = offloaded_states(p for g in optimizer.param_groups for p in g["params"])
+        optimizer.__dict__["_zero3_loaded"] = states
+        load_shards(states)
+
+    def post(optimizer, args, kwargs):
+        states = optimizer.__dict__.pop("_zero3_loaded", None)
+        if states:
+            store_shards(states)
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+
+
+def shard_bytes(states) -> int:
+    return sum(s.offload.nbytes for s in states)

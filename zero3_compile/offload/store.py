@@ -1,0 +1,356 @@
+"""Where offloaded tensors live between uses: regions of one file per rank, or host memory.
+
+``DiskStore``: one file per rank and purpose under ``path`` (default: a private temporary folder
+removed when the process exits). Each tensor gets two regions (double buffering: a write goes to
+the region not in use and becomes current only when ``commit()`` flips it, so an interrupted step
+leaves the previous values readable). Regions are preallocated with ``posix_fallocate`` when they
+are created, so later writes cannot run out of space halfway. Reads and writes are positional
+(``os.preadv`` / ``os.pwritev``) on a thread pool, straight into the tensor's memory; no mmap
+(mapped pages sit in the page cache and make memory figures meaningless). ``o_direct=True`` opens
+the file with ``O_DIRECT`` and goes through a fixed pool of aligned staging buffers; a file system
+that refuses it falls back to buffered I/O with a log line.
+
+``HostStore``: pinned host memory for accelerator models (the "cpu" tier).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 4096
+
+
+class OffloadError(OSError):
+    """An offload store could not be created, written or read (names the path and the bytes)."""
+
+
+@dataclass
+class Region:
+    """Two slots of ``nbytes`` in a store's file; ``current`` holds the committed values."""
+
+    offsets: tuple[int, int]
+    nbytes: int
+    current: int = 0
+    pending: int | None = None  # the slot written since the last commit
+
+    @property
+    def read_offset(self) -> int:
+        return self.offsets[self.current]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's bytes (no numpy needed)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+_temporary_folders: list[str] = []
+
+
+def _remove_temporary_folders() -> None:
+    for folder in _temporary_folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class DiskStore:
+    """Tensors in regions of one file; see the module docstring."""
+
+    def __init__(
+        self,
+        path: str | None,
+        purpose: str,
+        rank: int,
+        *,
+        threads: int = 4,
+        o_direct: bool = False,
+        staging_buffers: int = 4,
+        staging_mb: float = 16.0,
+    ):
+        if path is None:
+            path = tempfile.mkdtemp(prefix="zero3-offload-")
+            if not _temporary_folders:
+                atexit.register(_remove_temporary_folders)
+            _temporary_folders.append(path)
+        self.folder = os.path.abspath(path)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as error:
+            raise OffloadError(
+                error.errno,
+                f"zero3: cannot create the offload folder {self.folder!r}: {error.strerror}; "
+                "pass Offload(path=...) / offload_optimizer(path=...) a writable folder",
+            ) from error
+        self.path = os.path.join(self.folder, f"rank{rank}.{purpose}.bin")
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.o_direct = False
+        try:
+            if o_direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+                    self.o_direct = True
+                except OSError as error:
+                    if error.errno != errno.EINVAL:
+                        raise
+                    log.info("zero3: %s refuses O_DIRECT; buffered I/O instead", self.folder)
+                    self.fd = os.open(self.path, flags, 0o600)
+            else:
+                self.fd = os.open(self.path, flags, 0o600)
+        except OSError as error:
+            raise OffloadError(
+                error.errno,
+                f"zero3: cannot open the offload file {self.path!r}: {error.strerror}; "
+                "pass a writable folder",
+            ) from error
+        self.size = 0
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="zero3-io")
+        self.staging_bytes = _aligned(int(staging_mb * 2**20))
+        self.staging: list[torch.Tensor] = []
+        self.free_staging = threading.Semaphore(staging_buffers)
+        if self.o_direct:
+            for _ in range(staging_buffers):
+                raw = torch.empty(self.staging_bytes + _ALIGN, dtype=torch.uint8)
+                shift = (-raw.data_ptr()) % _ALIGN
+                self.staging.append(raw[shift : shift + self.staging_bytes])
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.io_seconds = 0.0  # time the I/O threads spent reading and writing
+        self.wait_seconds = 0.0  # time training waited for them (I/O not hidden by compute)
+
+    def count_wait(self, seconds: float) -> None:
+        with self.lock:
+            self.wait_seconds += seconds
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate(self, nbytes: int) -> Region:
+        """Two preallocated slots of ``nbytes``; raises ``OffloadError`` naming the bytes needed."""
+        slot = _aligned(max(nbytes, 1))
+        with self.lock:
+            first = self.size
+            self.size += 2 * slot
+            try:
+                os.posix_fallocate(self.fd, first, 2 * slot)
+            except OSError as error:
+                self.size = first
+                raise OffloadError(
+                    error.errno,
+                    f"zero3: cannot reserve {2 * slot} bytes in {self.path!r} "
+                    f"({error.strerror}); {_free_space(self.folder)}",
+                ) from error
+        return Region((first, first + slot), nbytes)
+
+    # ------------------------------------------------------------------ I/O
+
+    def write(self, region: Region, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` into the region's free slot; ``commit(region)`` makes it current."""
+        slot = 1 - region.current
+        self._transfer(tensor, region.offsets[slot], region.nbytes, write=True)
+        region.pending = slot
+
+    def write_current(self, region: Region, tensor: torch.Tensor) -> None:
+        """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
+        self._transfer(tensor, region.read_offset, region.nbytes, write=True)
+
+    def commit(self, region: Region) -> None:
+        if region.pending is not None:
+            region.current, region.pending = region.pending, None
+
+    def discard(self, region: Region) -> None:
+        region.pending = None
+
+    def read(self, region: Region, out: torch.Tensor) -> None:
+        self._transfer(out, region.read_offset, region.nbytes, write=False)
+
+    def read_async(self, region: Region, out: torch.Tensor) -> Future:
+        offset = region.read_offset  # the committed slot at the time of the request
+        return self.pool.submit(self._transfer, out, offset, region.nbytes, False)
+
+    def write_async(self, region: Region, tensor: torch.Tensor) -> Future:
+        slot = 1 - region.current
+        region.pending = slot
+        return self.pool.submit(self._transfer, tensor, region.offsets[slot], region.nbytes, True)
+
+    def _transfer(self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
+        if tensor.numel() * tensor.element_size() != nbytes or not tensor.is_contiguous():
+            raise OffloadError(
+                errno.EINVAL,
+                f"zero3: offload {'write' if write else 'read'} of {nbytes} bytes at {offset} in "
+                f"{self.path!r} got a tensor of {tensor.numel() * tensor.element_size()} bytes",
+            )
+        if nbytes == 0:
+            return
+        start = time.perf_counter()
+        try:
+            if self.o_direct:
+                self._transfer_direct(tensor, offset, nbytes, write)
+            else:
+                self._transfer_buffered(tensor, offset, nbytes, write)
+        finally:
+            with self.lock:
+                self.io_seconds += time.perf_counter() - start
+
+    def _transfer_buffered(
+        self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool
+    ) -> None:
+        view = _memory(tensor)
+        done = 0
+        while done < nbytes:
+            try:
+                if write:
+                    n = os.pwritev(self.fd, [view[done:]], offset + done)
+                else:
+                    n = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise self._io_error(error, write, offset, nbytes) from error
+            if n <= 0:
+                raise OffloadError(
+                    errno.EIO,
+                    f"zero3: short {'write' if write else 'read'} in {self.path!r}: "
+                    f"{done} of {nbytes} bytes at offset {offset}",
+                )
+            done += n
+        if write:
+            self.bytes_written += nbytes
+        else:
+            self.bytes_read += nbytes
+
+    def _transfer_direct(self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
+        flat = tensor.view(-1).view(torch.uint8) if tensor.dtype != torch.uint8 else tensor.view(-1)
+        self.free_staging.acquire()
+        with self.lock:
+            buffer = self.staging.pop()
+        try:
+            done = 0
+            while done < nbytes:
+                chunk = min(self.staging_bytes, nbytes - done)
+                span = _aligned(chunk)
+                view = _memory(buffer[:span])
+                try:
+                    if write:
+                        buffer[:chunk].copy_(flat[done : done + chunk])
+                        n = os.pwritev(self.fd, [view], offset + done)
+                    else:
+                        n = os.preadv(self.fd, [view], offset + done)
+                        flat[done : done + chunk].copy_(buffer[:chunk])
+                except OSError as error:
+                    raise self._io_error(error, write, offset, nbytes) from error
+                if n < chunk:
+                    raise OffloadError(
+                        errno.EIO,
+                        f"zero3: short {'write' if write else 'read'} in {self.path!r}: "
+                        f"{done + max(n, 0)} of {nbytes} bytes at offset {offset}",
+                    )
+                done += chunk
+        finally:
+            with self.lock:
+                self.staging.append(buffer)
+            self.free_staging.release()
+        if write:
+            self.bytes_written += nbytes
+        else:
+            self.bytes_read += nbytes
+
+    def _io_error(self, error: OSError, write: bool, offset: int, nbytes: int) -> OffloadError:
+        what = "write" if write else "read"
+        extra = f"; {_free_space(self.folder)}" if error.errno == errno.ENOSPC else ""
+        return OffloadError(
+            error.errno,
+            f"zero3: offload {what} of {nbytes} bytes at offset {offset} in {self.path!r} "
+            f"failed: {error.strerror}{extra}",
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _free_space(folder: str) -> str:
+    try:
+        stat = os.statvfs(folder)
+        return f"{stat.f_bavail * stat.f_frsize} bytes free in {folder!r}"
+    except OSError:
+        return f"free space in {folder!r} unknown"
+
+
+class HostStore:
+    """Pinned host memory for tensors of an accelerator model (the "cpu" tier)."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.io_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-host")
+
+    def count_wait(self, seconds: float) -> None:
+        self.wait_seconds += seconds
+
+    def allocate(self, nbytes: int) -> Region:
+        region = Region((0, 0), nbytes)
+        region.buffers = [  # type: ignore[attr-defined]
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+        ]
+        return region
+
+    def _slot(self, region: Region, slot: int) -> torch.Tensor:
+        return region.buffers[slot]  # type: ignore[attr-defined]
+
+    def write(self, region: Region, tensor: torch.Tensor) -> None:
+        slot = 1 - region.current
+        self._slot(region, slot).copy_(tensor.reshape(-1).view(torch.uint8))
+        region.pending = slot
+        self.bytes_written += region.nbytes
+
+    def write_current(self, region: Region, tensor: torch.Tensor) -> None:
+        self._slot(region, region.current).copy_(tensor.reshape(-1).view(torch.uint8))
+        self.bytes_written += region.nbytes
+
+    def commit(self, region: Region) -> None:
+        if region.pending is not None:
+            region.current, region.pending = region.pending, None
+
+    def discard(self, region: Region) -> None:
+        region.pending = None
+
+    def read(self, region: Region, out: torch.Tensor) -> None:
+        out.view(-1).view(torch.uint8).copy_(self._slot(region, region.current), non_blocking=True)
+        self.bytes_read += region.nbytes
+
+    def read_async(self, region: Region, out: torch.Tensor) -> Future:
+        # ordered on the current stream: the copy cannot be read before it is done
+        self.read(region, out)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def write_async(self, region: Region, tensor: torch.Tensor) -> Future:
+        self.write(region, tensor)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
