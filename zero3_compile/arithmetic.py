@@ -114,9 +114,11 @@ def reduce_copy_out(
     layouts: Sequence[ShardLayout],
     shard_shapes: Sequence[Sequence[int]],
     shard_dtypes: Sequence[torch.dtype],
+    replicas: int = 1,
 ) -> list[torch.Tensor]:
-    """This rank's gradient shards in a reduced bucket ``(bucket_numel,)``: the mean over ranks."""
-    world = layouts[0].world_size
+    """This rank's gradient shards in a reduced bucket ``(bucket_numel,)``: the mean over ranks
+    (the shard group's, times ``replicas`` when the bucket was also summed over replicas)."""
+    world = layouts[0].world_size * replicas
     shards, offset = [], 0
     for layout, shape, dtype in zip(layouts, shard_shapes, shard_dtypes):
         numel = _numel(shape)

@@ -21,8 +21,11 @@ funcol = torch.ops._c10d_functional
 
 ALL_GATHER = funcol.all_gather_into_tensor.default
 REDUCE_SCATTER = funcol.reduce_scatter_tensor.default
+ALL_REDUCE = funcol.all_reduce.default
+# Inductor's re-inplacing turns all_reduce into all_reduce_ in the graphs it compiles
+ALL_REDUCE_INPLACE = funcol.all_reduce_.default
 WAIT = funcol.wait_tensor.default
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER)
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_REDUCE_INPLACE)
 
 
 # ``torch._ops.OpOverload``: the type of ATen / custom op overloads in FX graphs (private module,
@@ -55,6 +58,11 @@ def all_gather(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Te
 def reduce_scatter_sum(flat: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Sum-reduce-scatter a flat tensor of world_size * n elements into (n,)."""
     return WAIT(REDUCE_SCATTER(flat, "sum", world_size, group_name))
+
+
+def all_reduce_sum(flat: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum-all-reduce a tensor over a group, waiting for the result."""
+    return WAIT(ALL_REDUCE(flat, "sum", group_name))
 
 
 def side_all_gather(out: torch.Tensor, inp: torch.Tensor, group, timeout_s: float) -> None:

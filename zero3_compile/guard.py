@@ -74,6 +74,7 @@ class _GroupGuard:
 
 
 _guards: dict[str, _GroupGuard] = {}  # process group name -> its guard (torch keeps groups alike)
+_roles: dict[str, str] = {}  # group name -> the role it plays on every rank ("shard"...)
 _labels: dict[tuple[int, int], str] = {}  # (kind, code) -> what this rank knows it to be
 _published: set[tuple[int, int]] = set()
 
@@ -89,6 +90,20 @@ def register_group(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_
     if group_backend(group) == "fake":
         return
     _guards[group.group_name] = _GroupGuard(group, timeout_s)
+
+
+def alias(group: dist.ProcessGroup, checked_by: dist.ProcessGroup, role: str) -> None:
+    """Check ``group``'s collectives on ``checked_by``'s guard (which spans it), and name it by
+    ``role`` in signatures: subgroup names differ from rank to rank."""
+    _roles[group.group_name] = role
+    guard = _guards.get(checked_by.group_name)
+    if guard is not None:
+        _guards[group.group_name] = guard
+
+
+def role(group_name: str) -> str:
+    """What a group is, the same on every rank: its role, or its name (the world's "0")."""
+    return _roles.get(group_name, group_name)
 
 
 def describe(kind: int, code: int, label: str, publish: bool = True) -> None:

@@ -102,7 +102,8 @@ def _target_device(params) -> torch.device:
 def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.device) -> None:
     """Store this rank's dim-0 chunk of ``full`` as ``param``'s shard (same Parameter object)."""
     mesh = param.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
+    state = state_of(param)
+    world, rank = state.world_size, state.rank
     chunks = torch.chunk(full, world, dim=0)
     local = (
         chunks[rank].clone(memory_format=torch.contiguous_format)
@@ -121,7 +122,6 @@ def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.dev
             ),
             requires_grad=param.requires_grad,
         )
-        state = state_of(param)
         torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
         state.attach(param)
     else:

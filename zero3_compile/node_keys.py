@@ -25,6 +25,8 @@ ROLE_REDUCE_COPY_IN = "reduce_copy_in"
 ROLE_REDUCE_SCATTER = "reduce_scatter"
 ROLE_REDUCE_WAIT = "reduce_wait"
 ROLE_REDUCE_COPY_OUT = "reduce_copy_out"
+ROLE_REPLICA_ALL_REDUCE = "replica_all_reduce"
+ROLE_REPLICA_WAIT = "replica_wait"
 
 # On a partitioned forward GraphModule's ``meta``: how many of its outputs are the user's
 # (the rest are saved for backward).

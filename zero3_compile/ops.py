@@ -22,7 +22,13 @@ from collections.abc import Sequence
 import torch
 
 from . import arithmetic, guard
-from .compat import all_gather, mark_side_effect, reduce_scatter_sum, register_wait
+from .compat import (
+    all_gather,
+    all_reduce_sum,
+    mark_side_effect,
+    reduce_scatter_sum,
+    register_wait,
+)
 from .offload.params import readable, reload_async
 from .param import NUM_MARKER_FIELDS, MarkerArgs, marker_schema, marker_tuple
 
@@ -65,13 +71,23 @@ def reduce_grad(grad: torch.Tensor, *rest) -> torch.Tensor:
     """Reduce-scatter the full gradient ``grad``; return this rank's shard of the mean."""
     args, (shard_shape, shard_dtype) = _split(rest)
     dtype = args.reduce_dtype or grad.dtype
-    if args.world_size == 1:
+    if args.world_size == 1 and args.replicate_size == 1:
         out = arithmetic.single_rank_reduce(grad, dtype, shard_shape, shard_dtype)
         return _not_aliasing(out, grad)
+    if args.world_size == 1:  # replicated, not sharded (a 4x1 mesh): DDP's all-reduce
+        guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
+        full = all_reduce_sum(arithmetic.cast(grad, dtype).contiguous(), args.replicate_group)
+        return arithmetic.single_rank_reduce(
+            full / args.replicate_size, dtype, shard_shape, shard_dtype
+        )
     guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
     flat = arithmetic.reduce_copy_in([grad], [args.layout], dtype)
     reduced = reduce_scatter_sum(flat.contiguous(), args.world_size, args.group_name)
-    return arithmetic.reduce_copy_out(reduced, [args.layout], [shard_shape], [shard_dtype])[0]
+    if args.replicate_size > 1:  # hybrid sharding: the shard's sum over the replicas too
+        reduced = all_reduce_sum(reduced, args.replicate_group)
+    return arithmetic.reduce_copy_out(
+        reduced, [args.layout], [shard_shape], [shard_dtype], args.replicate_size
+    )[0]
 
 
 @reduce_grad.register_fake
@@ -243,11 +259,14 @@ class UnshardMany(torch.autograd.Function):
                 layouts = [m.layout for m in group]
                 flat = arithmetic.reduce_copy_in(full, layouts, dtype)
                 result = reduce_scatter_sum(flat.contiguous(), first.world_size, first.group_name)
+                if first.replicate_size > 1:
+                    result = all_reduce_sum(result, first.replicate_group)
                 reduced = arithmetic.reduce_copy_out(
                     result,
                     layouts,
                     [ctx.shard_shapes[i] for i in indices],
                     [ctx.shard_dtypes[i] for i in indices],
+                    first.replicate_size,
                 )
             for i, grad, keep in zip(indices, reduced, union):
                 out[i] = grad if keep else None

@@ -54,6 +54,9 @@ class MarkerArgs:
     reduce_dtype: torch.dtype | None  # mixed precision: reduce gradients in this dtype
     fqn: str  # the parameter's canonical name (the first, for tied parameters)
     offloaded: bool = False  # the shard lives in an offload store between uses (offload/)
+    # hybrid sharding (2-D mesh): gradients are also averaged over this replicate group
+    replicate_group: str = ""
+    replicate_size: int = 1
 
     @property
     def layout(self) -> ShardLayout:
@@ -80,6 +83,8 @@ _SCHEMA_TYPES = {
     "reduce_dtype": "ScalarType?",
     "fqn": "str",
     "offloaded": "bool",
+    "replicate_group": "str",
+    "replicate_size": "int",
 }
 MARKER_FIELDS: tuple[tuple[str, str], ...] = tuple(
     (f.name, _SCHEMA_TYPES[f.name]) for f in fields(MarkerArgs)
@@ -159,6 +164,8 @@ class ShardedParam:
     # gradient accumulation without synchronisation (accumulation.py)
     requires_sync: bool = True
     offload: Any = field(default=None, repr=False)  # offload.params.OffloadedShard
+    replicate_group: str = ""  # hybrid sharding: the replicate group's name
+    replicate_size: int = 1
     grad_sink: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -172,6 +179,8 @@ class ShardedParam:
             self.policy.reduce_dtype,
             self.fqn,
             self.offload is not None,
+            self.replicate_group,
+            self.replicate_size,
         )
 
     @property
@@ -245,17 +254,30 @@ class ModuleState:
 class ShardRoot:
     """Facts shared by every module of one ``shard()`` call."""
 
-    group: Any  # the ProcessGroup
-    mesh: Any  # the 1-D DeviceMesh over it
+    group: Any  # the ProcessGroup parameters are sharded over
+    mesh: Any  # the DeviceMesh of the parameters' DTensors (1-D, or 2-D for hybrid sharding)
     policy: MixedPrecision
-    world_size: int
-    rank: int
+    world_size: int  # ranks in ``group``
+    rank: int  # this rank's index in ``group``
     device: torch.device
     leaves: list = field(default_factory=list)  # weak references to leaf modules
     offload: Any = None  # offload.params.Offload, when parameter shards are offloaded
+    replicate_group: Any = None  # hybrid sharding: the ProcessGroup gradients are averaged over
+    placements: tuple = ()  # the parameters' DTensor placements
+
+    @property
+    def replicate_size(self) -> int:
+        import torch.distributed as dist
+
+        return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
 
     def __reduce__(self):
         # unpickled in a process with the same process group (or the default one)
+        if self.replicate_group is not None:
+            raise NotImplementedError(
+                "zero3: pickling a model sharded on a 2-D mesh is not supported; save it with "
+                "zero3_compile.save_checkpoint"
+            )
         return (_rebuild_root, (self.group.group_name, self.policy, self.device.type))
 
 
@@ -268,6 +290,8 @@ def _rebuild_root(group_name: str, policy: MixedPrecision, device_type: str) -> 
         group = resolve_group(group_name)
     except Exception:  # noqa: BLE001  - not known here: the default group
         group = dist.group.WORLD
+    from torch.distributed.tensor import Shard
+
     return ShardRoot(
         group,
         mesh_from_group(group, device_type),
@@ -275,6 +299,7 @@ def _rebuild_root(group_name: str, policy: MixedPrecision, device_type: str) -> 
         dist.get_world_size(group),
         dist.get_rank(group),
         torch.device(device_type),
+        placements=(Shard(0),),
     )
 
 

@@ -31,7 +31,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import guard
 from .compat import group_backend, mesh_from_group
@@ -67,6 +68,7 @@ def shard(
     module: nn.Module,
     *,
     group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     mp_policy: MixedPrecision | None = None,
@@ -76,6 +78,11 @@ def shard(
     offload: Offload | None = None,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place along dim 0 over ``group``; return ``module``.
+
+    mesh: instead of ``group``, a device mesh: 1-D (the same as its group), or 2-D with dimensions
+        named ``("replicate", "shard")`` for hybrid sharding: parameters are sharded within each
+        row of the mesh (a node) and replicated across rows; gathers and reduce-scatters stay
+        within a row, and one all-reduce of each reduced gradient shard crosses rows.
 
     param_dtype, reduce_dtype: mixed precision shorthand for
         ``mp_policy=MixedPrecision(param_dtype, reduce_dtype)`` (see ``MixedPrecision``).
@@ -90,14 +97,17 @@ def shard(
     """
     policy = _policy(param_dtype, reduce_dtype, mp_policy)
     _check_can_shard(module)
-    group = group if group is not None else dist.group.WORLD
+    group, replicate_group, placements = _groups(group, mesh)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     named = list(module.named_parameters(remove_duplicate=False))
     first_device = named[0][1].device if named else torch.device("cpu")
     device = _shard_device(first_device, device, group)
-    mesh = mesh_from_group(group, device.type)
-    guard.register_group(group, sync_timeout_s)
+    if mesh is None:
+        mesh = mesh_from_group(group, device.type)
+    _register_guards(group, replicate_group, sync_timeout_s)
     root = ShardRoot(group, mesh, policy, world_size, rank, device)
+    root.replicate_group = replicate_group
+    root.placements = placements
     if offload is not None and offload.params is not None:
         offload.validate(device)
         root.offload = offload
@@ -136,6 +146,58 @@ def shard(
         world_size,
     )
     return module
+
+
+def _groups(group, mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, tuple]:
+    """(the group to shard over, the replicate group or None, the parameters' placements)."""
+    if mesh is None:
+        return (group if group is not None else dist.group.WORLD), None, (Shard(0),)
+    if group is not None:
+        raise ValueError("zero3: pass either group= or mesh= to shard(), not both")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"zero3: mesh= must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"zero3: the mesh has {mesh.size()} ranks but the job has {dist.get_world_size()}; "
+            "build it over every rank: init_device_mesh(device, (nodes, ranks_per_node), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None, (Shard(0),)
+    names = mesh.mesh_dim_names or ()
+    roles = [_role(name) for name in names]
+    if mesh.ndim != 2 or sorted(roles) != ["replicate", "shard"]:
+        raise ValueError(
+            f"zero3: shard(mesh=...) takes a 1-D mesh or a 2-D mesh whose dimensions are named "
+            f"('replicate', 'shard'); got {mesh.ndim} dimension(s) named {names}. Build it with "
+            "init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names=('replicate', "
+            "'shard')) (more dimensions, for tensor parallelism, are not supported)"
+        )
+    shard_name = names[roles.index("shard")]
+    replicate_name = names[roles.index("replicate")]
+    placements = tuple(Shard(0) if r == "shard" else Replicate() for r in roles)
+    return mesh[shard_name].get_group(), mesh[replicate_name].get_group(), placements
+
+
+def _role(name: str | None) -> str | None:
+    if name in ("shard", "dp_shard"):
+        return "shard"
+    if name in ("replicate", "dp_replicate"):
+        return "replicate"
+    return None
+
+
+def _register_guards(group, replicate_group, timeout_s: float) -> None:
+    """The side groups of the cross-rank check. With hybrid sharding the check spans every rank
+    (a row's collectives and the all-reduce across rows must agree), and group names, which
+    differ from row to row, are compared by their role."""
+    if replicate_group is None:
+        guard.register_group(group, timeout_s)
+        return
+    world = dist.group.WORLD
+    guard.register_group(world, timeout_s)
+    guard.alias(group, world, role="shard")
+    guard.alias(replicate_group, world, role="replicate")
 
 
 def _policy(param_dtype, reduce_dtype, mp_policy: MixedPrecision | None) -> MixedPrecision:
@@ -215,7 +277,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, root: ShardRoot) -> ShardedP
     dtensor = DTensor.from_local(
         local,
         root.mesh,
-        [Shard(0)],
+        list(root.placements),
         run_check=False,
         shape=full.shape,
         stride=_contiguous_stride(full.shape),
@@ -235,6 +297,8 @@ def _shard_parameter(param: nn.Parameter, fqn: str, root: ShardRoot) -> ShardedP
         rank=root.rank,
         policy=root.policy,
         param=sharded,
+        replicate_group="" if root.replicate_group is None else root.replicate_group.group_name,
+        replicate_size=root.replicate_size,
     )
     state.attach(sharded)
     # every rank knows every parameter: name the peers' eager collectives without the store

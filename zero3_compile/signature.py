@@ -10,25 +10,45 @@ import re
 
 import torch.fx as fx
 
-from .compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from .compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, COLLECTIVES, REDUCE_SCATTER, WAIT
+from .guard import role
 from .node_keys import PARAMS
 
 log = logging.getLogger(__name__)
 
 
-def collective_signature(graph: fx.Graph) -> list[tuple]:
-    """(kind, group, world size, elements, dtype) for every collective, in graph order."""
+def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]:
+    """(kind, group, group size, elements, dtype) for every collective, in graph order.
+
+    ``roles``: groups by their role ("shard", "replicate"), the same on every rank, instead of
+    their names (a 2-D mesh's subgroups have other names on other rows).
+    """
     signature = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+        if node.op != "call_function" or node.target not in COLLECTIVES:
             continue
         tensor = node.args[0].meta["val"]
         if node.target is ALL_GATHER:
             kind, world, group = "all_gather", node.args[1], node.args[2]
-        else:
+        elif node.target is REDUCE_SCATTER:
             kind, world, group = f"reduce_scatter_{node.args[1]}", node.args[2], node.args[3]
-        signature.append((kind, str(group), int(world), int(tensor.numel()), str(tensor.dtype)))
+        else:
+            group = node.args[2]
+            kind, world = f"all_reduce_{node.args[1]}", _group_size(group)
+        name = role(str(group)) if roles else str(group)
+        signature.append((kind, name, int(world), int(tensor.numel()), str(tensor.dtype)))
     return signature
+
+
+def _group_size(group_name: str) -> int:
+    try:
+        import torch.distributed as dist
+
+        from .compat import resolve_group
+
+        return dist.get_world_size(resolve_group(group_name))
+    except Exception:  # noqa: BLE001 - a graph read offline
+        return -1
 
 
 def collective_parameters(graph: fx.Graph) -> list[tuple[str, ...]]:
@@ -36,14 +56,14 @@ def collective_parameters(graph: fx.Graph) -> list[tuple[str, ...]]:
     return [
         tuple(node.meta.get(PARAMS, ()))
         for node in graph.nodes
-        if node.op == "call_function" and node.target in (ALL_GATHER, REDUCE_SCATTER)
+        if node.op == "call_function" and node.target in COLLECTIVES
     ]
 
 
 def signature_code(graph: fx.Graph) -> int:
     """A 62-bit digest of what a graph issues: its collective signature and which parameters
     each collective carries (experts of equal shapes must not pass for one another)."""
-    key = (collective_signature(graph), collective_parameters(graph))
+    key = (collective_signature(graph, roles=True), collective_parameters(graph))
     digest = hashlib.sha256(repr(key).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
 
@@ -67,8 +87,17 @@ def describe_signature(signature: list[tuple], graph: fx.Graph | None = None) ->
 
 
 _CALL = re.compile(
-    r"^\s*(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\("
+    r"^\s*(\w+) = torch\.ops\._c10d_functional\."
+    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\.default\("
 )
+# Inductor re-inplaces all_reduce: a statement on the buffer it reduces, waited by that name
+_IN_PLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.all_reduce_\.default\((\w+)")
+_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+}
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
 _SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
 _GUARD = re.compile(r"torch\.ops\.zero3\.guard\.default\(")
@@ -80,11 +109,13 @@ def generated_events(source_code: str) -> list[tuple[str, int]]:
     body = source_code.split("def call(", 1)[-1]
     events: list[tuple[str, int]] = []
     buffers: dict[str, int] = {}
+    issued = 0
     for line in body.splitlines():
-        call = _CALL.match(line)
+        call = _CALL.match(line) or _IN_PLACE.match(line)
         if call:
-            buffers[call.group(1)] = len(buffers)
-            events.append(("issue", buffers[call.group(1)]))
+            buffers[call.group(1)] = issued
+            events.append(("issue", issued))
+            issued += 1
             continue
         wait = _WAIT.search(line)
         if wait and wait.group(1) in buffers:
@@ -102,7 +133,7 @@ def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
     issued: dict[fx.Node, int] = {}
     events: list[tuple[str, int]] = []
     for node in graph.nodes:
-        if node.target in (ALL_GATHER, REDUCE_SCATTER):
+        if node.target in COLLECTIVES:
             issued[node] = len(issued)
             events.append(("issue", issued[node]))
         elif node.target is WAIT and node.args[0] in issued:
@@ -123,9 +154,12 @@ def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]
     for line in source_code.splitlines():
         call = _CALL.match(line)
         if call:
-            kind = "all_gather" if call.group(2) == "all_gather_into_tensor" else "reduce_scatter"
+            kind = _KINDS[call.group(2)]
             pending[call.group(1)] = len(order)
             order.append((kind, None))
+            continue
+        if _IN_PLACE.match(line):
+            order.append(("all_reduce", None))
             continue
         size = _SIZE.match(line)
         if size and size.group(1) in pending:
@@ -137,7 +171,12 @@ def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]
 
 def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
     """What ``generated_collective_order`` must find for ``graph``: kinds and output sizes."""
-    kinds = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+    kinds = {
+        ALL_GATHER: "all_gather",
+        REDUCE_SCATTER: "reduce_scatter",
+        ALL_REDUCE: "all_reduce",
+        ALL_REDUCE_INPLACE: "all_reduce",
+    }
     return [
         (kinds[node.target], int(node.meta["val"].numel()))
         for node in graph.nodes

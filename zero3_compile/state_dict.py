@@ -130,9 +130,9 @@ def _load_one(key: str, source: torch.Tensor, target: torch.Tensor, param) -> No
                 f"zero3: {key!r} has shape {tuple(source.shape)} in the state dict, "
                 f"{tuple(param.shape)} in the model"
             )
-        world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-        chunks = torch.chunk(source, world, dim=0)
         state = state_of(param)
+        world, rank = state.world_size, state.rank
+        chunks = torch.chunk(source, world, dim=0)
         offloaded = [state] if state.offload is not None else []
         with loaded(offloaded, write_back=True):
             if rank < len(chunks):

@@ -8,8 +8,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
-from ..compat import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER, group_backend, resolve_group
+from ..compat import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_REDUCE_INPLACE,
+    COLLECTIVES,
+    REDUCE_SCATTER,
+    group_backend,
+    resolve_group,
+)
 from ..graph_facts import gathered_values, is_view
+from ..guard import role
 from ..node_keys import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
 from ..ops import RELOAD
 from ..recording import GraphRecord
@@ -70,6 +79,8 @@ class GraphReport:
     reductions: list[ReduceInfo] = field(default_factory=list)
     reloads: list[ReloadInfo] = field(default_factory=list)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> count, bytes
+    # group role ("0": the world, "shard", "replicate") -> kind -> bytes: what crosses each group
+    group_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     memory: list[int] = field(default_factory=list)  # bytes alive above the start, per node
     peak_bytes: int = 0
     peak_node: str = ""
@@ -93,6 +104,10 @@ class GraphReport:
             lines.append(
                 f"   {kind}: {stats['count']} collective(s), {stats['bytes'] / mib:.3f} MiB"
             )
+        if len(self.group_bytes) > 1:
+            for group, kinds in sorted(self.group_bytes.items()):
+                text = ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in sorted(kinds.items()))
+                lines.append(f"   group {group}: {text}")
         if self.gathers:
             lines.append(
                 "   all-gather  bucket  params  MiB      issue  wait  first use  release  ahead(nodes/buckets)"
@@ -196,6 +211,21 @@ def build_report(record: GraphRecord) -> GraphReport:
     for name, items in (("all_gather", report.gathers), ("reduce_scatter", report.reductions)):
         if items:
             report.collectives[name] = {"count": len(items), "bytes": sum(i.bytes for i in items)}
+    all_reduces = [n for n in nodes if n.target in (ALL_REDUCE, ALL_REDUCE_INPLACE)]
+    if all_reduces:
+        report.collectives["all_reduce"] = {
+            "count": len(all_reduces),
+            "bytes": sum(_nbytes(n.args[0].meta["val"]) for n in all_reduces),
+        }
+    for node in nodes:
+        if node.target in COLLECTIVES:
+            group = node.args[2] if node.target is ALL_GATHER else node.args[-1]
+            kind = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}.get(
+                node.target, "all_reduce"
+            )
+            value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
+            per_group = report.group_bytes.setdefault(role(str(group)), {})
+            per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
 
     timeline = memory_timeline(
         gm,

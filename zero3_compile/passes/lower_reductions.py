@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch.fx as fx
 
 from .. import arithmetic
-from ..compat import REDUCE_SCATTER, WAIT
+from ..compat import ALL_REDUCE, REDUCE_SCATTER, WAIT
 from ..context import PassContext
 from ..graph_utils import NodeFactory, move_users_after, node_order, output_node
 from ..node_keys import (
@@ -19,6 +19,8 @@ from ..node_keys import (
     ROLE_REDUCE_COPY_OUT,
     ROLE_REDUCE_SCATTER,
     ROLE_REDUCE_WAIT,
+    ROLE_REPLICA_ALL_REDUCE,
+    ROLE_REPLICA_WAIT,
 )
 from ..ops import REDUCE_GRAD
 from ..param import ReduceGradCall
@@ -32,7 +34,9 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     right after the last of its gradients is computed; its wait and copy-out (slice this rank's
     rows, divide by the world size, cast to the shard dtype) sit right before bucket
     ``j + reduce_scatter_depth`` is issued, or before the output for the last buckets, so at most
-    ``reduce_scatter_depth`` full-size gradient buckets are in flight.
+    ``reduce_scatter_depth`` full-size gradient buckets are in flight. With hybrid sharding the
+    reduced shard bucket is then all-reduced over the replicate group, issued right after the
+    reduce-scatter's wait and waited one bucket later.
 
     ```
     before:
@@ -74,7 +78,8 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     for index in sorted(buckets):
         order = node_order(graph)
         members = sorted(buckets[index], key=order.__getitem__)
-        if ReduceGradCall.of(members[0]).args.world_size == 1:
+        first_args = ReduceGradCall.of(members[0]).args
+        if first_args.world_size == 1 and first_args.replicate_size == 1:
             for marker in members:  # in place: no collective to wait for
                 with graph.inserting_before(marker):
                     shards = _emit_single_rank(graph, index, [marker])
@@ -87,10 +92,29 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
 
     depth = ctx.options.reduce_scatter_depth
     out = output_node(graph)
-    for j, (members, _, scattered) in enumerate(issued):
+    across_replicas = []  # hybrid sharding: (j, members, the all-reduce of the reduced shard)
+    for j, (members, _, collective) in enumerate(issued):
         anchor = issued[j + depth][1] if j + depth < len(issued) else out
+        args = ReduceGradCall.of(members[0]).args
         with graph.inserting_before(anchor):
-            shards = _emit_finish(graph, members, scattered)
+            waited = _factory(graph, ROLE_REDUCE_WAIT, collective.meta[BUCKET], members)(
+                WAIT, collective
+            )
+            if args.world_size > 1 and args.replicate_size > 1:
+                # the reduced shard bucket's sum over the replicas, overlapped like a bucket
+                summed = _factory(graph, ROLE_REPLICA_ALL_REDUCE, collective.meta[BUCKET], members)(
+                    ALL_REDUCE, waited, "sum", args.replicate_group
+                )
+                across_replicas.append((j, members, summed))
+                continue
+            shards = _emit_copy_out(graph, members, waited)
+        _replace(members, shards, graph)
+    for j, members, summed in across_replicas:
+        later = j + depth + 1
+        anchor = issued[later][1] if later < len(issued) else out
+        with graph.inserting_before(anchor):
+            waited = _factory(graph, ROLE_REPLICA_WAIT, summed.meta[BUCKET], members)(WAIT, summed)
+            shards = _emit_copy_out(graph, members, waited)
         _replace(members, shards, graph)
     graph.lint()
 
@@ -122,10 +146,15 @@ def _emit_issue(graph: fx.Graph, index: int, members: list[fx.Node]) -> tuple[fx
         lambda *grads: arithmetic.reduce_copy_in(grads, layouts, dtype), [c.grad for c in calls]
     )
     first = calls[0].args
-    scattered = _factory(graph, ROLE_REDUCE_SCATTER, index, members)(
-        REDUCE_SCATTER, flat, "sum", first.world_size, first.group_name
-    )
-    return (copy_in.created[0] if copy_in.created else scattered), scattered
+    if first.world_size == 1:  # replicated, not sharded (a mesh of N x 1): all-reduce
+        collective = _factory(graph, ROLE_REPLICA_ALL_REDUCE, index, members)(
+            ALL_REDUCE, flat, "sum", first.replicate_group
+        )
+    else:
+        collective = _factory(graph, ROLE_REDUCE_SCATTER, index, members)(
+            REDUCE_SCATTER, flat, "sum", first.world_size, first.group_name
+        )
+    return (copy_in.created[0] if copy_in.created else collective), collective
 
 
 def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
@@ -143,14 +172,13 @@ def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> li
     return shards
 
 
-def _emit_finish(graph: fx.Graph, members: list[fx.Node], scattered: fx.Node) -> list[fx.Node]:
-    """Wait, then per member: this rank's slice of the sum, divided by the world size."""
+def _emit_copy_out(graph: fx.Graph, members: list[fx.Node], reduced: fx.Node) -> list[fx.Node]:
+    """Per member: this rank's slice of the reduced bucket, divided by the ranks it summed."""
     calls = [ReduceGradCall.of(m) for m in members]
-    index = scattered.meta[BUCKET]
-    waited = _factory(graph, ROLE_REDUCE_WAIT, index, members)(WAIT, scattered)  # (bucket_numel,)
     layouts = [c.args.layout for c in calls]
     shapes = [list(c.shard_shape) for c in calls]
     dtypes = [c.shard_dtype for c in calls]
-    return _factory(graph, ROLE_REDUCE_COPY_OUT, index, members).splice(
-        lambda reduced: arithmetic.reduce_copy_out(reduced, layouts, shapes, dtypes), [waited]
+    replicas = calls[0].args.replicate_size
+    return _factory(graph, ROLE_REDUCE_COPY_OUT, reduced.meta[BUCKET], members).splice(
+        lambda r: arithmetic.reduce_copy_out(r, layouts, shapes, dtypes, replicas), [reduced]
     )

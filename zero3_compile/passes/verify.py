@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from ..compat import COLLECTIVES, WAIT
 from ..context import PassContext
 from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
@@ -37,7 +37,7 @@ def verify(
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in (ALL_GATHER, REDUCE_SCATTER):
+        if node.target in COLLECTIVES:
             collectives.append(node)
             users = list(node.users)
             if len(users) != 1 or users[0].target is not WAIT:
@@ -52,7 +52,7 @@ def verify(
             source = node.args[0]
             if not (
                 isinstance(source, fx.Node)
-                and source.target in (ALL_GATHER, REDUCE_SCATTER, RELOAD)
+                and (source.target in COLLECTIVES or source.target is RELOAD)
             ):
                 raise ScheduleError(f"zero3: wait {node.name} does not read a collective")
         elif node.target is RELOAD and lowered:
