@@ -16,10 +16,12 @@ graph before it reaches Inductor. The callable handed back to dynamo is a ``Gate
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +32,7 @@ import torch.nn as nn
 from . import recording
 from .compat import (
     aot_autograd_backend,
-    autograd_cache_patch,
+    autograd_cache_disabled,
     boxed_codegen,
     inductor_compile_fx,
     inductor_config_patches,
@@ -40,7 +42,7 @@ from .compat import (
     register_dynamo_backend,
 )
 from .context import CompileContext
-from .graph_facts import gradient_dependencies
+from .graph_facts import output_dependencies
 from .graph_utils import output_node
 from .inspect.session import install_from_env as install_inspection_from_env
 from .node_keys import NUM_USER_OUTPUTS
@@ -65,12 +67,16 @@ def zero3_backend(
     mode: str | None = None,
 ):
     """``torch.compile(model, backend="zero3", options={...})``; see ``Options`` for the keys."""
+    start = time.perf_counter()
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)
     install_inspection_from_env()
     ctx = CompileContext(opts, recorders=recording.listening())
-    run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
-    gm.recompile()
+    with _timed("dynamo graph passes"):
+        run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
+        gm.recompile()
+    # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
+    ctx.gradient_dependencies.update(output_dependencies(gm))
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     if opts.codegen == "eager":
@@ -79,7 +85,19 @@ def zero3_backend(
         compiled = _compile_eager(gm, example_inputs, ctx)
     else:
         compiled = _compile_inductor(gm, example_inputs, ctx, mode)
+    recording.add_compile_time(
+        "backend total (AOTAutograd and codegen included)", time.perf_counter() - start
+    )
     return GatedCall(compiled, ctx, num_outputs)
+
+
+@contextlib.contextmanager
+def _timed(phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        recording.add_compile_time(phase, time.perf_counter() - start)
 
 
 def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -121,18 +139,21 @@ class Zero3Partitioner(partitioner_base()):
         self.ctx = ctx
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        run_pipeline(gm, self.ctx.passes("joint", f"{self.ctx.index}"))
-        self.ctx.gradient_dependencies.update(gradient_dependencies(gm))
+        with _timed("joint graph passes"):
+            run_pipeline(gm, self.ctx.passes("joint", f"{self.ctx.index}"))
         kwargs.setdefault("compiler", "inductor")
-        fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
-        order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
+        with _timed("partitioner (min-cut)"):
+            fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
+            order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
         if self.ctx.options.reshard_after_forward:
             check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"])
         return fw_module, bw_module
 
     def uuid(self) -> str:
-        return _source_hash() + repr(self.ctx.options)
+        """Part of AOTAutograd's and Inductor's cache keys: our source, the options, and the rank
+        (ranks compile graphs of their own: shards of uneven sizes, rows of a mesh)."""
+        return f"{_source_hash()}-{self.ctx.options!r}-rank{dist.get_rank()}"
 
 
 @functools.cache
@@ -152,7 +173,8 @@ def _source_hash() -> str:
 def _schedule(gm: fx.GraphModule, ctx: CompileContext, kind: str) -> GraphRecord:
     graph_id = ctx.next_graph_id(kind)
     pass_ctx = ctx.passes(kind, graph_id)
-    run_pipeline(gm, pass_ctx)
+    with _timed("forward/backward graph passes"):
+        run_pipeline(gm, pass_ctx)
     record = GraphRecord(kind=kind, graph_id=graph_id, gm=gm)
     recorders = ctx.recorders + [r for r in recording.listening() if r not in ctx.recorders]
     for recorder in recorders:
@@ -222,7 +244,8 @@ def _compile_inductor(
 
     def inner_compile(graph_module: fx.GraphModule, inputs, **kwargs):
         record = _schedule(graph_module, ctx, _graph_kind(kwargs))
-        compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+        with _timed("Inductor on the scheduled graphs"):
+            compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         record.source_code = getattr(compiled, "source_code", None)
         check_generated_order(
             graph_module.graph, record.source_code, f"{record.kind} graph {record.graph_id}"
@@ -230,10 +253,15 @@ def _compile_inductor(
         return compiled
 
     patches = inductor_config_patches(mode)
+    # Part of AOTAutograd's cache key (its uuid: our source and options), so a warm restart
+    # reuses compiled graphs only for the same package, options and graph (whose markers name the
+    # groups and world size). A hit skips our passes but not their product: the cached code runs
+    # the cross-rank guard before its collectives.
     patches["custom_partitioner_fn"] = Zero3Partitioner(ctx)
-    # A cache hit would skip our partitioner (and with it the gradient dependencies the runtime
-    # needs): compile every time. See issue: warm restarts.
-    with autograd_cache_patch(False):
+    # someone is recording the graphs (record_graphs, explain, the inspect command): they must be
+    # compiled, not loaded from the cache
+    caching = contextlib.nullcontext() if not ctx.recorders else autograd_cache_disabled()
+    with caching:
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 

@@ -235,57 +235,12 @@ def aot_autograd_backend(**kwargs):
     return aot_autograd(**kwargs)
 
 
-def autograd_cache_patch(enabled: bool):
-    """AOTAutograd's cache switch (private ``torch._functorch.config``), 2.11-2.14."""
+def autograd_cache_disabled():
+    """AOTAutograd's cache off for a ``with`` block (private ``torch._functorch.config``,
+    2.11-2.14)."""
     from torch._functorch import config as functorch_config
 
-    return functorch_config.patch(enable_autograd_cache=enabled)
-
-
-def node_desc(node) -> Any:
-    """AOTAutograd's descriptor of a joint-graph input or output (``node.meta["desc"]``): which
-    user input a primal is, which user output a tangent belongs to. Private; present 2.11-2.14.
-    None when missing (the caller then treats every gradient as present)."""
-    return node.meta.get("desc")
-
-
-def desc_input_index(desc) -> int | None:
-    """The user input index a primal / gradient descriptor refers to (through subclass parts)."""
-    for _ in range(8):
-        if desc is None:
-            return None
-        name = type(desc).__name__
-        if name == "PlainAOTInput":
-            return desc.idx
-        if name == "GradAOTOutput":
-            desc = desc.grad_of
-            continue
-        desc = getattr(desc, "base", None)
-    return None
-
-
-def desc_gradient_of(desc) -> int | None:
-    """For a joint-graph output descriptor: the user input index whose gradient (or a tensor
-    part of it) this output is, None for forward outputs and non-tensor parts."""
-    for _ in range(8):
-        if desc is None:
-            return None
-        name = type(desc).__name__
-        if name == "GradAOTOutput":
-            return desc_input_index(desc.grad_of)
-        if name == "SubclassGetAttrAOTOutput" and getattr(desc, "attr", None) == "device_mesh":
-            return None
-        desc = getattr(desc, "base", None)
-    return None
-
-
-def desc_tangent_output(desc) -> int | None:
-    """The user output index a tangent descriptor belongs to, None for any other tangent
-    (input mutations, aliased intermediates, subclass parts)."""
-    if desc is None or type(desc).__name__ != "TangentAOTInput":
-        return None
-    output = desc.output
-    return output.idx if type(output).__name__ == "PlainAOTOutput" else None
+    return functorch_config.patch(enable_autograd_cache=False)
 
 
 def compiled_function_offset(node) -> int | None:
@@ -353,11 +308,6 @@ def mark_side_effect(op) -> None:
     """Keep an op without users through FX and Inductor dead-code elimination
     (``torch.fx.node.has_side_effect``: public since 2.5)."""
     torch.fx.node.has_side_effect(op)
-
-
-def queue_engine_callback(callback) -> None:
-    """Run ``callback`` when the current backward pass ends (what DDP and FSDP use; private)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def storage_key(tensor: torch.Tensor):

@@ -1,5 +1,5 @@
 """Facts about graph nodes, each defined once: what is a view, what is computed from gathered
-parameters alone, which values a gather produced, what a gradient depends on.
+parameters alone, which values a gather produced, which outputs an input flows into.
 
 Structural on purpose: they read the ops and the data flow, never the tags the passes set, which
 Inductor's own joint-graph passes may drop when they rewrite a node.
@@ -13,15 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .compat import (
-    ALL_GATHER,
-    COLLECTIVES,
-    WAIT,
-    OpOverload,
-    desc_gradient_of,
-    desc_tangent_output,
-    node_desc,
-)
+from .compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
 from .ops import GUARD, REDUCE_GRAD, UNSHARD
 
 
@@ -162,31 +154,26 @@ def gathered_values(
     return derived, readers
 
 
-def gradient_dependencies(joint: fx.GraphModule) -> dict[int, frozenset[int] | None]:
-    """For each user input that receives a gradient: the user outputs whose gradients it is
-    computed from (None when that cannot be told: a mutated input, an aliased output...).
+def output_dependencies(gm: fx.GraphModule) -> dict[int, frozenset[int]]:
+    """For each graph input (placeholder index): the outputs its value flows into.
 
-    Read from AOTAutograd's descriptors of the joint graph's tangents and outputs.
+    Read from the dynamo graph, before AOTAutograd: a superset of the outputs whose gradients an
+    input's gradient is computed from (gradients only flow along data flow), available even when
+    AOTAutograd's cache skips tracing the joint graph.
     """
-    graph = joint.graph
-    tangents = {}
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            desc = node_desc(node)
-            if desc is not None and type(desc).__name__ == "TangentAOTInput":
-                tangents[node] = desc_tangent_output(desc)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    descs = output.meta.get("desc")
     values = output.args[0]
-    if not isinstance(descs, (list, tuple)) or len(descs) != len(values):
-        return {}
-    deps: dict[int, frozenset[int] | None] = {}
-    for value, desc in zip(values, descs):
-        index = desc_gradient_of(desc)
-        if index is None or not isinstance(value, fx.Node):
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    reaches: dict[fx.Node, set[int]] = {}
+    for j, value in enumerate(values):
+        if isinstance(value, fx.Node):
+            reaches.setdefault(value, set()).add(j)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "output":
             continue
-        outputs = {tangents[t] for t in ancestors(value) | {value} if t in tangents}
-        known = None if None in outputs else frozenset(outputs)
-        previous = deps.get(index, frozenset())
-        deps[index] = None if known is None or previous is None else previous | known
-    return deps
+        outs = reaches.setdefault(node, set())
+        for user in node.users:
+            outs |= reaches.get(user, set())
+    return {i: frozenset(reaches.get(p, set())) for i, p in enumerate(placeholders)}

@@ -50,6 +50,17 @@ class Recorder:
 
 
 _listening: list[Recorder] = []
+_compile_seconds: dict[str, float] = {}
+
+
+def add_compile_time(phase: str, seconds: float) -> None:
+    _compile_seconds[phase] = _compile_seconds.get(phase, 0.0) + seconds
+
+
+def compile_stats() -> dict[str, float]:
+    """Seconds this process spent in each phase of the backend's compiles (ours and Inductor's
+    work on the scheduled graphs), for ``bench/compile_time.py``."""
+    return dict(_compile_seconds)
 
 
 def listen(recorder: Recorder) -> None:

@@ -4,8 +4,8 @@ would leave it so.
 AOTAutograd's backward receives zeros for forward outputs the loss did not use (autograd
 materialises missing gradients), so every parameter input gets a gradient, zeros where eager
 training leaves ``grad is None``; optimizers with momentum or weight decay would then move
-parameters eager training does not touch. The backward graph knows which user outputs each
-parameter's gradient is computed from (``graph_facts.gradient_dependencies``); at run time a
+parameters eager training does not touch. The dynamo graph tells which user outputs each
+parameter's value flows into (``graph_facts.output_dependencies``); at run time a
 pre-hook on AOTAutograd's backward node sees which outputs really received a gradient, the
 backward guard makes that the union over ranks, and a parameter whose outputs all went unused on
 every rank gets no gradient (``_Gate``). Gradients still flow through the same collectives on
