@@ -50,6 +50,7 @@ from .options import Options
 from .param import is_sharded
 from .passes import check_no_gathered_saved
 from .pipeline import Dumper, run_pipeline
+from .planner import plan_budget
 from .recording import GraphRecord
 from .runtime import GatedCall
 from .signature import check_generated_order, collective_signature, describe_signature
@@ -142,18 +143,35 @@ class Zero3Partitioner(partitioner_base()):
         with _timed("joint graph passes"):
             run_pipeline(gm, self.ctx.passes("joint", f"{self.ctx.index}"))
         kwargs.setdefault("compiler", "inductor")
+        options = self.ctx.options
+        kept: frozenset[str] = frozenset()
+        if options.memory_budget_bytes is not None and options.reshard_after_forward:
+            with _timed("memory budget planner"):
+                plan = plan_budget(gm, joint_inputs, kwargs, self.ctx.passes("joint"))
+            self.ctx.plans.append(plan)
+            kept = plan.kept_names
         with _timed("partitioner (min-cut)"):
             fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
             order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
         fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
-        if self.ctx.options.reshard_after_forward:
-            check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"])
+        if options.reshard_after_forward:
+            check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"], kept)
         return fw_module, bw_module
+
+    def __reduce__(self):
+        # Inductor's FX graph cache pickles its config, this object included, into the cache key:
+        # the key is the uuid (pickling the compile context would drag in recorded graphs, device
+        # meshes and whatever else it holds)
+        return (str, (f"zero3-partitioner-{self.uuid()}",))
 
     def uuid(self) -> str:
         """Part of AOTAutograd's and Inductor's cache keys: our source, the options, and the rank
         (ranks compile graphs of their own: shards of uneven sizes, rows of a mesh)."""
-        return f"{_source_hash()}-{self.ctx.options!r}-rank{dist.get_rank()}"
+        options = self.ctx.options
+        budget = (
+            f"-budget{options.memory_budget_bytes}" if options.memory_budget_mb == "auto" else ""
+        )
+        return f"{_source_hash()}-{options!r}{budget}-rank{dist.get_rank()}"
 
 
 @functools.cache
@@ -176,6 +194,8 @@ def _schedule(gm: fx.GraphModule, ctx: CompileContext, kind: str) -> GraphRecord
     with _timed("forward/backward graph passes"):
         run_pipeline(gm, pass_ctx)
     record = GraphRecord(kind=kind, graph_id=graph_id, gm=gm)
+    if kind == "forward" and ctx.plans:
+        record.budget = ctx.plans[-1]
     recorders = ctx.recorders + [r for r in recording.listening() if r not in ctx.recorders]
     for recorder in recorders:
         recorder.add(record)

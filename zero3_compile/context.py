@@ -57,6 +57,7 @@ class CompileContext:
     graphs: int = 0
     # user input index -> user outputs its gradient comes from (None: unknown), per joint graph
     gradient_dependencies: dict[int, frozenset[int] | None] = field(default_factory=dict)
+    plans: list[Any] = field(default_factory=list)  # planner.BudgetPlan of each joint graph
 
     def next_graph_id(self, kind: str) -> str:
         graph_id = f"{self.index}.{self.graphs}"

@@ -35,6 +35,12 @@ class Options:
         hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
     verify: check the scheduled graphs' invariants after every pass.
     dump_dir: write every graph before and after every pass, and the reports, here.
+    memory_budget_mb: per-rank memory a training step may use at its peak (persistent state
+        included, see ``planner.py``); the planner keeps parameters gathered from forward to
+        backward within it, saving their backward all-gathers. None: pure ZeRO-3. "auto" (CUDA):
+        the device's free memory at compile time.
+    optimizer_states: tensors of optimizer state per trainable parameter the budget accounts
+        for (2 for Adam/AdamW, 1 for SGD with momentum, 0 when it is offloaded).
     """
 
     codegen: str = "inductor"
@@ -47,10 +53,29 @@ class Options:
     sync_timeout_s: float | None = None
     verify: bool = True
     dump_dir: str | None = None
+    memory_budget_mb: float | str | None = None
+    optimizer_states: int = 2
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 1024 * 1024)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        if self.memory_budget_mb is None:
+            return None
+        if self.memory_budget_mb == "auto":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "zero3: memory_budget_mb='auto' reads the free memory of a CUDA device; on "
+                    "this machine give the budget in MiB"
+                )
+            # rounded down to 64 MiB: the compile caches key on the budget
+            granule = 64 * 1024 * 1024
+            return int(torch.cuda.mem_get_info()[0]) // granule * granule
+        return int(float(self.memory_budget_mb) * 1024 * 1024)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | Options | None) -> Options:
@@ -95,6 +120,22 @@ class Options:
             )
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("zero3: option reshard_after_forward must be True or False")
+        budget = self.memory_budget_mb
+        if (
+            budget is not None
+            and budget != "auto"
+            and not (
+                isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
+            )
+        ):
+            raise ValueError(
+                f"zero3: option memory_budget_mb must be a positive number of MiB, 'auto' or "
+                f"None, got {budget!r}"
+            )
+        if not (isinstance(self.optimizer_states, int) and self.optimizer_states >= 0):
+            raise ValueError(
+                f"zero3: option optimizer_states must be an int >= 0, got {self.optimizer_states!r}"
+            )
         if self.sync_timeout_s is not None and not (
             isinstance(self.sync_timeout_s, (int, float)) and self.sync_timeout_s > 0
         ):

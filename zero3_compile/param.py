@@ -167,6 +167,9 @@ class ShardedParam:
     replicate_group: str = ""  # hybrid sharding: the replicate group's name
     replicate_size: int = 1
     grad_sink: torch.Tensor | None = field(default=None, repr=False)
+    # set_requires_gradient_sync(..., keep_gathered=True): the full parameter, kept gathered while
+    # gradient sync is off; its .grad accumulates the micro-batches' full gradients
+    kept_full: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def marker(self) -> MarkerArgs:
@@ -245,6 +248,9 @@ class ModuleState:
 
     def sink(self, attr: str) -> torch.Tensor | None:
         return self.params[attr].grad_sink
+
+    def kept(self, attr: str) -> torch.Tensor | None:
+        return self.params[attr].kept_full
 
     def __reduce__(self):
         return (_detached_state, ())

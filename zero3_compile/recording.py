@@ -28,6 +28,7 @@ class GraphRecord:
     graph_id: str  # "<backend call>.<graph>", unique in the process
     gm: fx.GraphModule
     source_code: str | None = None  # Inductor's generated wrapper code (codegen="inductor")
+    budget: object = None  # planner.BudgetPlan, on a forward graph compiled with a memory budget
 
     @property
     def saved(self) -> list[fx.Node]:

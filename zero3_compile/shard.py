@@ -362,19 +362,26 @@ def _make_getter(attr: str, state: ShardedParam):
     """The property getter of one parameter: ``unshard`` of its local shard.
 
     Inside a leaf module's forward the full parameter was gathered with the whole block; while
-    gradient sync is off the full gradient goes to the parameter's sink instead of a collective.
+    gradient sync is off the full gradient goes to the parameter's sink instead of a collective,
+    or the parameter kept gathered is read (``keep_gathered``, accumulation.py).
     Eager reads return a ``GatheredParameter`` that writes in-place changes back to the shard.
     """
+    param_dtype = state.policy.param_dtype
+    # kept gathered in the shard's dtype (accumulation.py); computed with in param_dtype
+    kept_expr = "kept" if param_dtype is None else f"kept.to({param_dtype!r})"
     source = (
         "def get_full_parameter(self):\n"
         "    module_state = self.__dict__['_zero3']\n"
         "    scope = module_state.scope\n"
         f"    if scope is not None and {attr!r} in scope:\n"
         f"        return scope[{attr!r}]\n"
-        f"    shard = self._parameters[{attr!r}].to_local()\n"
         "    sink = None\n"
         "    if not module_state.requires_sync:\n"
+        f"        kept = module_state.kept({attr!r})\n"
+        "        if kept is not None:\n"
+        f"            return {kept_expr}\n"
         f"        sink = module_state.sink({attr!r})\n"
+        f"    shard = self._parameters[{attr!r}].to_local()\n"
         f"    full = unshard(shard, {state.marker.literal()}, sink)\n"
         "    if is_compiling():\n"
         "        return full\n"

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..param import is_sharded
 from ..recording import record_graphs
-from .report import GraphReport, build_report, step_peak_bytes
+from .report import GraphReport, budget_summary, build_report, step_peak_bytes
 
 
 @dataclass
@@ -53,7 +53,8 @@ class ExplainReport:
                 f"{k} {v / mib:.3f} MiB" for k, v in sorted(self.communication_bytes.items())
             )
         )
-        return "\n".join([header, *(str(g) for g in self.graphs)])
+        budgets = [budget_summary(g.budget) for g in self.graphs if g.budget is not None]
+        return "\n".join([header, *budgets, *(str(g) for g in self.graphs)])
 
     def to_dict(self) -> dict:
         return {
@@ -149,10 +150,23 @@ def _sum_floating(output) -> torch.Tensor | None:
 
 
 def _options_of(model) -> dict[str, Any] | None:
-    """The ``options`` a ``torch.compile(..., backend="zero3", options=...)`` module was given."""
+    """The ``options`` a ``torch.compile(..., backend="zero3", options=...)`` module or function
+    was given (dynamo wraps the backend a few times; the innermost wrapper keeps the kwargs)."""
+    import inspect
+
     callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
-    wrapper = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
-        callback, "_torchdynamo_orig_callable", None
-    )
-    kwargs = getattr(wrapper, "kwargs", None)
-    return dict(kwargs["options"]) if isinstance(kwargs, dict) and "options" in kwargs else None
+    if callback is None and callable(model) and hasattr(model, "_torchdynamo_orig_callable"):
+        try:
+            callback = inspect.getclosurevars(model).nonlocals.get("callback")
+        except TypeError:
+            callback = None
+    for _ in range(8):
+        kwargs = getattr(callback, "kwargs", None)
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            return dict(kwargs["options"])
+        callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
+            callback, "_torchdynamo_orig_callable", None
+        )
+        if callback is None:
+            return None
+    return None

@@ -87,6 +87,9 @@ class GraphReport:
     end_bytes: int = 0  # bytes the graph created that outlive it (outputs, saved tensors)
     saved: list[SavedTensor] = field(default_factory=list)
     node_kinds: list[str] = field(default_factory=list)  # "compute" or a communication role
+    # the memory budget's plan (forward graphs compiled with ``memory_budget_mb``): budget,
+    # minimum, estimated, persistent bytes, kept parameters ({name, nbytes, last_forward_use})
+    budget: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,7 +140,30 @@ class GraphReport:
         if self.kind == "forward":
             total = sum(s.bytes for s in self.saved)
             lines.append(f"   saved for backward: {len(self.saved)} tensors, {total / mib:.3f} MiB")
+        if self.budget is not None:
+            lines.append("   " + budget_summary(self.budget))
+            for kept in self.budget["kept"]:
+                lines.append(
+                    f"     {kept['name']} ({kept['nbytes'] / mib:.3f} MiB, last used in forward "
+                    f"at joint node {kept['last_forward_use']}): kept gathered for backward, "
+                    "one all-gather less"
+                )
         return "\n".join(lines)
+
+
+def budget_summary(plan: dict) -> str:
+    """One line on a memory budget's plan (``planner.BudgetPlan.to_dict()``)."""
+    mib = 2**20
+    kept = plan["kept"]
+    text = (
+        f"memory budget {plan['budget'] / mib:.1f} MiB: estimated {plan['estimated'] / mib:.1f} "
+        f"MiB (pure ZeRO-3 {plan['minimum'] / mib:.1f} MiB, of which persistent state "
+        f"{plan['persistent'] / mib:.1f} MiB); {len(kept)} of {plan['candidates']} parameters "
+        f"kept gathered from forward to backward ({sum(k['nbytes'] for k in kept) / mib:.2f} MiB)"
+    )
+    if plan.get("next_estimate") is not None:
+        text += f"; one more would need {plan['next_estimate'] / mib:.1f} MiB"
+    return text
 
 
 def _names(params: list[str], limit: int = 3) -> str:
@@ -238,6 +264,8 @@ def build_report(record: GraphRecord) -> GraphReport:
     report.peak_bytes = timeline.peak_bytes
     report.peak_node = timeline.peak_node
     report.end_bytes = timeline.end_bytes
+    if record.budget is not None:
+        report.budget = record.budget.to_dict()
     report.saved = [
         SavedTensor(
             n.name, list(n.meta["val"].shape), str(n.meta["val"].dtype), _nbytes(n.meta["val"])

@@ -9,6 +9,7 @@ from ..context import PassContext
 from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
 from ..ops import GUARD, REDUCE_GRAD, RELOAD, UNSHARD
+from ..param import UnshardCall
 
 
 class ScheduleError(AssertionError):
@@ -75,14 +76,21 @@ def verify(
                 )
 
 
-def check_no_gathered_saved(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
+def check_no_gathered_saved(
+    fw_module: fx.GraphModule, num_fwd_outputs: int, kept: frozenset[str] = frozenset()
+) -> None:
     """Fail if the partitioner saved a gathered parameter (or a function of gathered parameters
-    alone) for backward: with ``reshard_after_forward`` backward must gather again."""
+    alone) for backward: with ``reshard_after_forward`` backward must gather again, except for
+    the parameters the memory budget keeps gathered (``kept``: their names)."""
     graph = fw_module.graph
     derived = param_derived(graph)
     outputs = output_node(graph).args[0]
     saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
-    gathered = [n.name for n in saved if n in derived]
+
+    def planned(node: fx.Node) -> bool:
+        return node.target is UNSHARD and UnshardCall.of(node).args.fqn in kept
+
+    gathered = [n.name for n in saved if n in derived and not planned(n)]
     if gathered:
         raise ScheduleError(
             f"zero3: the partitioner saved gathered parameters for backward: {gathered}"
