@@ -119,7 +119,9 @@ def _run(rank: int, world: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--model", choices=sorted(PRESETS), default="gpt-small")
     parser.add_argument("--codegen", choices=["eager", "inductor"], default="eager")
@@ -129,7 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--path", default=None, help="folder for the disk tier (default: a temp)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="MALLOC_MMAP_THRESHOLD_ for the ranks (0: glibc's default, dynamic)",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    )
     args = parser.parse_args(argv)
     rows = {}
     for name in args.configs.split(","):
@@ -151,13 +161,19 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=os.path.join(args.out, "logs"),
             name=f"offload-{name}",
             timeout_s=3600,
+            # a fixed mmap threshold: freed tensors go back to the system, so RssAnon shows what
+            # is live (glibc otherwise raises the threshold and keeps freed memory for reuse)
+            env={"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}
+            if args.mmap_threshold
+            else None,
         )
         rows[name] = per_rank
         print(f"{name}: done", file=sys.stderr)
     base = max(r["median_step_ms"] for r in rows["none"]) if "none" in rows else None
     print(
         f"\n{args.model}, {args.world} ranks, codegen={args.codegen}, AdamW, "
-        f"{args.steps} timed steps, read-ahead {args.read_ahead}; torch {torch.__version__}\n"
+        f"{args.steps} timed steps, read-ahead {args.read_ahead}, "
+        f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'default'}; torch {torch.__version__}\n"
     )
     print(
         "| configuration | median step ms (max rank) | vs none | RssAnon MiB (max rank) | "

@@ -18,6 +18,7 @@ def run_spec(
     log_dir: str,
     timeout_s: float,
     fresh_cache: bool = True,
+    cache_dir: str | None = None,
     log_name: str | None = None,
 ) -> dict:
     """Run one contender in fresh processes; its summary row, or a row saying why not.
@@ -25,6 +26,8 @@ def run_spec(
     fresh_cache: a new Inductor/Triton cache directory, so compile times are cold-cache times.
         The ranks of one run share it, as ranks on one node share Inductor's default cache:
         a kernel one rank is building, the others wait for and load.
+    cache_dir: use (and keep) this cache directory instead: a second run with the same one
+        measures a warm restart.
     """
     contender = CONTENDERS[spec.contender]
     missing = missing_requirement(contender)
@@ -36,7 +39,10 @@ def run_spec(
         **contender_env(contender, spec.device),
     }
     cache = tempfile.mkdtemp(prefix=f"bench-inductor-{spec.contender}-") if fresh_cache else None
-    if cache:
+    if cache_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+    elif cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     # one process per rank; one process for ``single`` and for the fake group's rank 0
@@ -56,6 +62,6 @@ def run_spec(
         print(f"  {spec.contender} FAILED:\n    " + "\n    ".join(message.splitlines()[-15:]))
         return {"status": f"failed: {message.splitlines()[-1]}", "error": message}
     finally:
-        if cache:
+        if cache and cache_dir is None:
             shutil.rmtree(cache, ignore_errors=True)
     return report.summarize(ranks, spec.warmup, contender.comm_source)

@@ -25,7 +25,8 @@ def summarize(ranks: list[dict[str, Any]], warmup: int, comm_source: str) -> dic
     persistent = [sum(r["state"].values()) for r in ranks]
     # every rank has the same batch size, so the mean of the ranks' losses is the global loss
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks))]
-    comm = ranks[0]["comm_graphs"] if comm_source == "graphs" else ranks[0]["comm_profile"]
+    use_graphs = comm_source == "graphs" and "comm_graphs" in ranks[0]
+    comm = ranks[0]["comm_graphs"] if use_graphs else ranks[0]["comm_profile"]
     rss_steady = [r["rss_hwm_steady"] for r in ranks if r["rss_hwm_steady"] is not None]
     return {
         "status": "ok",
@@ -51,7 +52,7 @@ def summarize(ranks: list[dict[str, Any]], warmup: int, comm_source: str) -> dic
         },
         "comm": {
             **comm,
-            "method": "compiled graphs" if comm_source == "graphs" else "profiler (c10d ops)",
+            "method": "compiled graphs" if use_graphs else "profiler (c10d ops)",
             "profiler_agrees": _same_collectives(ranks[0]["comm_profile"], comm),
         },
         "losses": losses,

@@ -8,6 +8,7 @@ loss is kept: all contenders run the same number of steps on the same batches.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import time
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class RunSpec:
     seed: int
     threads: int
     zero3_options: str = "{}"  # JSON: extra options of the zero3 contenders (e.g. bucket_mb)
+    # read zero3's communication from its compiled graphs (recording them compiles every graph
+    # instead of loading it from the caches: off for warm-start compile times)
+    record_graphs: bool = True
 
 
 def _device(spec: RunSpec, rank: int) -> torch.device:
@@ -70,10 +74,14 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
     info = {"n_params": parameter_count(model), "param_bytes": storage_bytes(model.parameters())}
 
     records_cm: Any = contextlib.nullcontext(None)
-    if contender.comm_source == "graphs":
+    if contender.comm_source == "graphs" and spec.record_graphs:
         from zero3_compile.recording import record_graphs
 
         records_cm = record_graphs()
+    # torch.compile(backend="inductor") imports Inductor when it is called, a custom backend at
+    # its first graph: import it up front for everyone, so no contender's first step pays it
+    importlib.import_module("torch._inductor.compile_fx")
+
     with records_cm as records:
         start = time.perf_counter()
         trainer = contender.setup(model, ctx)
@@ -82,6 +90,10 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
     if records is not None:
         result["comm_graphs"] = comm.summarize(comm.from_graphs(records), world)
         result["n_graphs"] = {k: sum(r.kind == k for r in records) for k in ("forward", "backward")}
+    if spec.contender.startswith("zero3"):
+        from zero3_compile.recording import compile_stats
+
+        result["zero3_compile_s"] = compile_stats()
     return {**info, **result, "rank": rank, "torch": torch.__version__, "threads": spec.threads}
 
 

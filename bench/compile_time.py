@@ -1,0 +1,128 @@
+"""Compile time, cold and warm: zero3 next to DDP compiled and FSDP2 compiled, same model.
+
+    python bench/compile_time.py --world 2                      # quick and gpt-small
+    python bench/compile_time.py --world 2 --models quick
+
+For each contender and model: a cold start (an empty Inductor / AOTAutograd cache directory),
+then a restart with the same cache directory (what a preempted job pays when it comes back).
+Compile seconds = the first step minus the median of the following ones, slowest rank. For
+zero3, the cold compile's breakdown by phase (ours, the partitioner, Inductor on the scheduled
+graphs) on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.orchestrate import run_spec  # noqa: E402
+from bench.runner import RunSpec  # noqa: E402
+
+CONTENDERS = ("zero3", "ddp-compiled", "fsdp2-compiled")
+
+
+def measure(contender: str, model: str, world: int, out: str, threads: int) -> dict:
+    cache = tempfile.mkdtemp(prefix=f"bench-compile-{contender}-")
+    try:
+        spec = RunSpec(
+            contender=contender,
+            preset=model,
+            world=world,
+            device="cpu",
+            backend="gloo",
+            warmup=1,
+            steps=3,
+            seed=0,
+            threads=threads,
+            record_graphs=False,  # recorded graphs are always compiled, never loaded
+        )
+        logs = os.path.join(out, "logs")
+        cold = run_spec(
+            spec,
+            log_dir=logs,
+            timeout_s=3600,
+            cache_dir=cache,
+            log_name=f"{contender}-{model}-cold",
+        )
+        warm = run_spec(
+            spec,
+            log_dir=logs,
+            timeout_s=3600,
+            cache_dir=cache,
+            log_name=f"{contender}-{model}-warm",
+        )
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    row = {
+        "cold_s": cold["compile_s"]["max"] if cold.get("status") == "ok" else None,
+        "warm_s": warm["compile_s"]["max"] if warm.get("status") == "ok" else None,
+        "step_s": cold["step_s"]["max_median"] if cold.get("status") == "ok" else None,
+        "status": (cold.get("status"), warm.get("status")),
+    }
+    if contender == "zero3" and cold.get("status") == "ok":
+        row["breakdown"] = cold["ranks"][0].get("zero3_compile_s", {})
+        row["warm_breakdown"] = warm["ranks"][0].get("zero3_compile_s", {})
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--models", default="quick,gpt-small")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    )
+    args = parser.parse_args(argv)
+    results = {}
+    for model in args.models.split(","):
+        for contender in CONTENDERS:
+            print(f"{contender} on {model} ...", file=sys.stderr, flush=True)
+            results[(model, contender)] = measure(
+                contender, model, args.world, args.out, args.threads
+            )
+    print(
+        f"\n{args.world} CPU ranks, gloo, torch {torch.__version__}, compile seconds (slowest rank)\n"
+    )
+    print(
+        "| model | contender | cold s | warm restart s | cold vs DDP compiled | warm vs DDP compiled |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for model in args.models.split(","):
+        ddp = results[(model, "ddp-compiled")]
+        for contender in CONTENDERS:
+            row = results[(model, contender)]
+            cold, warm = row["cold_s"], row["warm_s"]
+
+            def ratio(value, base):
+                return f"{value / base:.2f}x" if value is not None and base else "-"
+
+            print(
+                f"| {model} | {contender} | {cold if cold is None else f'{cold:.1f}'} | "
+                f"{warm if warm is None else f'{warm:.1f}'} | {ratio(cold, ddp['cold_s'])} | "
+                f"{ratio(warm, ddp['warm_s'])} |"
+            )
+    for model in args.models.split(","):
+        row = results[(model, "zero3")]
+        if "breakdown" in row:
+            print(f"\nzero3 cold compile on {model}, rank 0, seconds by phase:\n")
+            for phase, seconds in sorted(row["breakdown"].items(), key=lambda kv: -kv[1]):
+                print(f"- {phase}: {seconds:.1f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"compile-time-w{args.world}.json"), "w") as f:
+        json.dump({f"{m}/{c}": r for (m, c), r in results.items()}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
