@@ -89,6 +89,8 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
         result = _train(trainer, spec, ctx, rank if contender.distributed else None)
     if records is not None:
         result["comm_graphs"] = comm.summarize(comm.from_graphs(records), world)
+        # memory_budget_mb: the planner's plan of each forward graph
+        result["budget_plans"] = [r.budget.to_dict() for r in records if r.budget is not None]
         result["n_graphs"] = {k: sum(r.kind == k for r in records) for k in ("forward", "backward")}
     if spec.contender.startswith("zero3"):
         from zero3_compile.recording import compile_stats
