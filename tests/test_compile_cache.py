@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+from torch import nn
 
 import zero3_compile as z3
 from zero3_compile.guard import CollectiveMismatchError
@@ -21,25 +22,64 @@ A = {"codegen": "inductor"}
 B = {"codegen": "inductor", "bucket_mb": 0.0002}  # one parameter per collective: other graphs
 
 
-def _run(rank, world_size, options_by_rank):
+class Heads(nn.Module):
+    """Three heads: every rank's loss reads ``used``, rank 1's also ``rank1``, none ``never``.
+    Whether a parameter gets a gradient is the union over ranks, which the backward graph's guard
+    exchanges at run time (runtime.py): ``rank1`` gets one on every rank, ``never`` on none."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.used = nn.Linear(16, 4)
+        self.rank1 = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.used(h), self.rank1(h), self.never(h)
+
+
+def _run(rank, world_size, options_by_rank, unrelated_first=False):
+    """FrozenMLP and Heads, one step each. ``unrelated_first``: compile another model first,
+    so that this process's compile counters differ from those of the process that filled the
+    cache (nothing process-local may be baked into cached code)."""
     from torch._dynamo.utils import counters
 
+    options = options_by_rank[rank]
+    if unrelated_first:
+        other = torch.compile(z3.shard(nn.Linear(4, 6)), backend="zero3", options=options)
+        other(torch.randn(2, 4)).sum().backward()
+    before = {k: dict(counters[k]) for k in ("aot_autograd", "inductor")}
     torch.manual_seed(0)
     model = z3.shard(FrozenMLP(), sync_timeout_s=60)
-    step = torch.compile(model, backend="zero3", options=options_by_rank[rank])
+    step = torch.compile(model, backend="zero3", options=options)
     inputs, targets = mlp_batch(2 * world_size, seed=rank)
+    heads = z3.shard(Heads(), sync_timeout_s=60)
+    heads_step = torch.compile(heads, backend="zero3", options=options)
     try:
         loss = mlp_loss(step, (inputs, targets))
         loss.backward()
+        used, rank1, _never = heads_step(
+            torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+        )
+        (used.square().sum() + (rank1.sum() if rank == 1 else 0)).backward()
     except Exception as error:  # noqa: BLE001
         while error is not None and not isinstance(error, CollectiveMismatchError):
             error = getattr(error, "inner_exception", None) or error.__cause__
         return {"error": str(error) if error is not None else "other error"}
+
+    def delta(kind):
+        return {k: v - before[kind].get(k, 0) for k, v in counters[kind].items()}
+
     return {
         "loss": loss.item(),
         "grad": model.layers[2]._parameters["weight"].grad.to_local().clone(),
-        "aot": dict(counters["aot_autograd"]),
-        "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+        "heads_grads": {
+            name: None if p.grad is None else p.grad.to_local().clone()
+            for name, p in heads.named_parameters()
+        },
+        "aot": delta("aot_autograd"),
+        "fx": {k: v for k, v in delta("inductor").items() if k.startswith("fxgraph_cache")},
     }
 
 
@@ -50,7 +90,7 @@ def runs():
     try:
         return {
             "cold": run_ranks(_run, 2, [A, A], env=env, timeout=900),
-            "warm": run_ranks(_run, 2, [A, A], env=env, timeout=900),
+            "warm": run_ranks(_run, 2, [A, A], True, env=env, timeout=900),
             "other_options": run_ranks(_run, 2, [B, B], env=env, timeout=900),
             "other_world": run_ranks(_run, 3, [A, A, A], env=env, timeout=900),
             "mismatch": run_ranks(_run, 2, [A, B], env=env, timeout=900),
@@ -72,6 +112,13 @@ def test_warm_restart_loads_from_the_caches_and_trains_the_same():
         assert warm["fx"].get("fxgraph_cache_hit", 0) >= 1, warm["fx"]
         assert warm["loss"] == cold["loss"]
         assert torch.equal(warm["grad"], cold["grad"])
+        for name, grad in cold["heads_grads"].items():
+            if name.startswith("never."):  # no rank's loss reached it: no gradient, as eager
+                assert grad is None and warm["heads_grads"][name] is None, name
+            else:  # rank1: reached on rank 1 only, reduced onto every rank
+                assert grad is not None, name
+                assert warm["heads_grads"][name] is not None, name
+                assert torch.equal(warm["heads_grads"][name], grad), name
 
 
 @pytest.mark.parametrize("run", ["other_options", "other_world"])

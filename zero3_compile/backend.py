@@ -47,7 +47,7 @@ from .graph_utils import output_node
 from .inspect.session import install_from_env as install_inspection_from_env
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
-from .param import is_sharded
+from .param import is_sharded, state_of
 from .passes import check_no_gathered_saved
 from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
@@ -78,6 +78,7 @@ def zero3_backend(
         gm.recompile()
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
     ctx.gradient_dependencies.update(output_dependencies(gm))
+    ctx.group_names = _group_names(gm, example_inputs)
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     if opts.codegen == "eager":
@@ -99,6 +100,15 @@ def _timed(phase: str):
         yield
     finally:
         recording.add_compile_time(phase, time.perf_counter() - start)
+
+
+def _group_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str, ...]:
+    names = set()
+    for t in list(example_inputs) + [p for _, p in gm.named_parameters()]:
+        state = state_of(t)
+        if state is not None:
+            names.update(n for n in (state.group_name, state.replicate_group) if n)
+    return tuple(sorted(names))
 
 
 def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -165,13 +175,16 @@ class Zero3Partitioner(partitioner_base()):
         return (str, (f"zero3-partitioner-{self.uuid()}",))
 
     def uuid(self) -> str:
-        """Part of AOTAutograd's and Inductor's cache keys: our source, the options, and the rank
-        (ranks compile graphs of their own: shards of uneven sizes, rows of a mesh)."""
+        """Part of AOTAutograd's and Inductor's cache keys: our source, the options, the rank
+        (ranks compile graphs of their own: shards of uneven sizes, rows of a mesh) and the names
+        of the process groups the scheduled graphs' collectives name. Nothing else of this
+        process may go into the compiled code (tests/test_compile_cache.py)."""
         options = self.ctx.options
         budget = (
             f"-budget{options.memory_budget_bytes}" if options.memory_budget_mb == "auto" else ""
         )
-        return f"{_source_hash()}-{options!r}{budget}-rank{dist.get_rank()}"
+        groups = ",".join(self.ctx.group_names)
+        return f"{_source_hash()}-{options!r}{budget}-rank{dist.get_rank()}-groups{groups}"
 
 
 @functools.cache

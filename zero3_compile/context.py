@@ -35,7 +35,6 @@ class PassContext:
     graph_kind: str = "forward"
     block_of: Callable[[str], str] = block_of
     graph_id: str = ""
-    owner: int = -1  # the CompileContext (backend call) the graph belongs to
 
     def for_graph(self, graph_kind: str, graph_id: str = "") -> PassContext:
         if graph_kind not in GRAPH_KINDS:
@@ -58,6 +57,9 @@ class CompileContext:
     # user input index -> user outputs its gradient comes from (None: unknown), per joint graph
     gradient_dependencies: dict[int, frozenset[int] | None] = field(default_factory=dict)
     plans: list[Any] = field(default_factory=list)  # planner.BudgetPlan of each joint graph
+    # names of the process groups the graph's parameters are sharded (and replicated) over: the
+    # scheduled graphs name them, and a name is an ordinal of this process (part of cache keys)
+    group_names: tuple[str, ...] = ()
 
     def next_graph_id(self, kind: str) -> str:
         graph_id = f"{self.index}.{self.graphs}"
@@ -65,4 +67,4 @@ class CompileContext:
         return graph_id
 
     def passes(self, graph_kind: str, graph_id: str = "") -> PassContext:
-        return PassContext(options=self.options, owner=self.index).for_graph(graph_kind, graph_id)
+        return PassContext(options=self.options).for_graph(graph_kind, graph_id)

@@ -140,23 +140,20 @@ def is_reduce_grad(node) -> bool:
 
 
 @torch.library.custom_op("zero3::guard", mutates_args=())
-def graph_guard(
-    group_name: str, kind: int, code: int, label: str, owner: int, timeout_s: float
-) -> None:
+def graph_guard(group_name: str, kind: int, code: int, label: str, timeout_s: float) -> None:
     """A scheduled graph's cross-rank check, run before its first collective (``guard.py``).
 
     For a backward graph it also exchanges which outputs received a gradient (``runtime.py``);
-    ``owner`` names the backend call whose graph this is; ``timeout_s`` <= 0: the group's.
+    ``timeout_s`` <= 0: the group's. Its arguments depend only on the graph and the options:
+    the compiled code is cached and loaded by other processes (no process-local ids here).
     """
     from .runtime import run_graph_guard
 
-    run_graph_guard(group_name, kind, code, label, owner, timeout_s if timeout_s > 0 else None)
+    run_graph_guard(group_name, kind, code, label, timeout_s if timeout_s > 0 else None)
 
 
 @graph_guard.register_fake
-def _graph_guard_fake(
-    group_name: str, kind: int, code: int, label: str, owner: int, timeout_s: float
-) -> None:
+def _graph_guard_fake(group_name: str, kind: int, code: int, label: str, timeout_s: float) -> None:
     return None
 
 

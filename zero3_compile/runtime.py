@@ -29,14 +29,19 @@ from .write_through import GatheredParameter
 
 log = logging.getLogger(__name__)
 
-_pending = threading.local()  # owner (CompileContext index) -> the CallState whose backward runs
+# The CallState whose compiled backward is running on this thread: set by the pre-hook of
+# AOTAutograd's backward node, read by the guard at the top of that backward graph, cleared by the
+# node's post-hook (a backward graph without collectives has no guard). Autograd runs a node's
+# pre-hooks, the node and its post-hooks back to back on one thread, so no key is needed: keys
+# baked into the graph (a backend-call counter) went stale when the compiled code was loaded
+# from the cache by another process.
+_pending = threading.local()
 
 
 class CallState:
     """One forward call of a compiled graph with gated parameters, until its backward."""
 
-    def __init__(self, owner: int, num_outputs: int, dependencies: list[frozenset[int]]):
-        self.owner = owner
+    def __init__(self, num_outputs: int, dependencies: list[frozenset[int]]):
         self.num_outputs = num_outputs
         self.dependencies = dependencies
         self.presence: list[bool] | None = None
@@ -50,10 +55,12 @@ class CallState:
             self.presence = [
                 g is not None for g in grad_outputs[offset : offset + self.num_outputs]
             ]
-        calls = getattr(_pending, "calls", None)
-        if calls is None:
-            calls = _pending.calls = {}
-        calls[self.owner] = self
+        _pending.call = self
+
+    def after_backward(self, grad_inputs, grad_outputs) -> None:
+        """Post-hook of the same node: its backward is over."""
+        if getattr(_pending, "call", None) is self:
+            _pending.call = None
 
     def decide(self, union: list[bool] | None) -> None:
         if union is None:
@@ -68,12 +75,13 @@ class CallState:
 
 
 def run_graph_guard(
-    group_name: str, kind: int, code: int, label: str, owner: int, timeout_s: float | None
+    group_name: str, kind: int, code: int, label: str, timeout_s: float | None
 ) -> None:
     """The body of ``zero3::guard``: the cross-rank check, with the backward's presence bits."""
     call = None
     if kind == guard.KIND_BACKWARD:
-        call = getattr(_pending, "calls", {}).pop(owner, None)
+        call = getattr(_pending, "call", None)
+        _pending.call = None
     presence = call.presence if call is not None else None
     union = guard.check(group_name, kind, code, label, presence=presence, timeout_s=timeout_s)
     if call is not None:
@@ -132,9 +140,7 @@ class GatedCall:
                 )
         if not self._gated or not torch.is_grad_enabled():
             return self.compiled(*args)
-        call = CallState(
-            self.compile_ctx.index, self.num_outputs, [deps for _, deps in self._gated]
-        )
+        call = CallState(self.num_outputs, [deps for _, deps in self._gated])
         args = list(args)
         for k, (index, _) in enumerate(self._gated):
             args[index] = _Gate.apply(args[index], call, k)
@@ -146,6 +152,7 @@ class GatedCall:
             node.register_prehook(
                 functools.partial(call.on_backward, compiled_function_offset(node))
             )
+            node.register_hook(call.after_backward)
         return outputs
 
     def __getattr__(self, name: str) -> Any:

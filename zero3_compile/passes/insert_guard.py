@@ -55,7 +55,8 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     group_name = signature[0][1]
     code = signature_code(graph)
-    label = f"{ctx.graph_id} ({describe_signature(signature, graph)})"
+    # no process-local ids (graph ids): the compiled code is cached and run by other processes
+    label = f"({describe_signature(signature, graph)})"
     guard.describe(_KINDS[ctx.graph_kind], code, label)
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(anchor):
@@ -65,7 +66,6 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
             _KINDS[ctx.graph_kind],
             code,
             label,
-            ctx.owner,
             float(ctx.options.sync_timeout_s or -1.0),
         )
     graph.lint()
