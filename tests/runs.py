@@ -42,13 +42,11 @@ EAGER_JOBS = {
     4: [
         ("gpt", "sgd", EAGER, "c", {}),
         ("mlp", "sgd", EAGER, "c", {}),
-        ("mlp", "adamw", EAGER, "c", {}),
     ],
 }
 INDUCTOR_JOBS = {
     2: [
         ("gpt", "sgd", INDUCTOR, "c", {"analyze_graphs": True, "profile_step": True}),
-        ("gpt", "adamw", INDUCTOR, "c", {}),
         ("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[1]}, "option1", {"check_inference": True}),
     ],
     # uneven shards (17, 13, 5 rows over 3 ranks) and about one parameter per collective
