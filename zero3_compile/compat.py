@@ -149,6 +149,39 @@ def is_dtensor_to_local(node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local"
 
 
+def normalize_to_local(gm) -> bool:
+    """Rewrite torch 2.11's ``prim_to_local`` closure calls (made without arguments) as
+    ``to_local`` method calls, in ``gm`` and its subgraphs; returns whether anything changed.
+
+    AOTAutograd's cache bypasses any graph holding a call of an unknown function, so on 2.11
+    nothing of ours was ever cached. The closure's captured arguments are read to make sure
+    there are none (private dynamo detail of 2.11/2.12; 2.13 records a method call itself).
+    """
+    changed = False
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        touched = False
+        for node in list(graph.nodes):
+            if not (is_dtensor_to_local(node) and node.op == "call_function"):
+                continue
+            captured = [c.cell_contents for c in node.target.__closure__ or ()]
+            if any(captured) or len(node.args) != 1 or node.kwargs:
+                continue  # to_local(grad_placements=...): leave it (not cached)
+            with graph.inserting_before(node):
+                method = graph.call_method("to_local", node.args)
+            method.meta = dict(node.meta)
+            node.replace_all_uses_with(method)
+            graph.erase_node(node)
+            touched = True
+        if touched:
+            graph.lint()
+            module.recompile()
+            changed = True
+    return changed
+
+
 def checkpoint_hops() -> tuple:
     """Higher-order ops whose body is ``args[0]`` (a get_attr) called with ``args[1:]``:
     ``torch.utils.checkpoint`` regions and ``wrap``. Private (``torch._higher_order_ops``);
@@ -188,7 +221,6 @@ def order_saved_values(fw_module, bw_module, num_fwd_outputs: int) -> None:
     ``scaled_dot_product_attention`` saves, which AOTAutograd then rejects ("expected all
     tensors_saved_with_vc_check to be Tensors"). A no-op on graphs already in order.
     """
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
     from torch._functorch.partitioners import is_sym_node
 
     output = next(n for n in reversed(fw_module.graph.nodes) if n.op == "output")
@@ -219,6 +251,19 @@ def order_saved_values(fw_module, bw_module, num_fwd_outputs: int) -> None:
     bw_module.recompile()
 
 
+def is_opaque_node(node) -> bool:
+    """A saved value AOTAutograd slices as an opaque object (a ``DeviceMesh``, a process group).
+    Private ``graph_compile.is_opaque_node`` from 2.13; 2.11 counts fake script objects only."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import is_opaque_node as torch_is_opaque
+    except ImportError:  # torch 2.11, 2.12
+        from torch._library.fake_class_registry import FakeScriptObject
+
+        val = getattr(node, "meta", {}).get("val")
+        return isinstance(val, (torch.ScriptObject, FakeScriptObject))
+    return torch_is_opaque(node)
+
+
 def partitioner_base() -> type:
     """Base class of a partition function Inductor's ``custom_partitioner_fn`` accepts (private,
     ``torch._inductor.custom_graph_pass``, 2.11-2.14)."""
@@ -233,6 +278,16 @@ def aot_autograd_backend(**kwargs):
     from torch._dynamo.backends.common import aot_autograd
 
     return aot_autograd(**kwargs)
+
+
+def aot_cache_hits_across_processes() -> bool:
+    """Whether AOTAutograd's cache key of a graph taking ``DTensor`` parameters is the same in
+    another process. On torch 2.11 it is not (the inputs' hash differs per process, though their
+    printed metadata is equal), so a warm restart hits only Inductor's FX graph cache; from 2.13
+    both caches hit. 2.12 not checked (assumed as 2.11)."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= (2, 13)
 
 
 def autograd_cache_disabled():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..compat import checkpoint_hops, is_dtensor_to_local
+from ..compat import checkpoint_hops, is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
 
 
@@ -25,6 +25,7 @@ def hoist_shard_reads(gm: fx.GraphModule, ctx: PassContext) -> None:
         w = unshard(s, ...)
     ```
     """
+    normalize_to_local(gm)  # torch 2.11's closure calls: as method calls (cacheable)
     _hoist(gm)
 
 
