@@ -315,6 +315,16 @@ class Wide(nn.Module):
 
 
 def _memory(rank, world, offloaded):
+    import ctypes
+    import gc
+
+    libc = ctypes.CDLL("libc.so.6")
+    # a fixed mmap threshold (M_MMAP_THRESHOLD = -3): large blocks are mapped and unmapped, not
+    # kept in glibc's arenas by its dynamic threshold, so RssAnon follows what is held
+    libc.mallopt(-3, 64 * 1024)
+    gc.collect()
+    libc.malloc_trim(0)
+    baseline = _rss_anon()  # what the process holds before the model (imports, process group)
     torch.manual_seed(0)
     model = Wide()
     offload = z3.Offload(params="disk") if offloaded else None
@@ -337,15 +347,12 @@ def _memory(rank, world, offloaded):
         for k, v in s.items()
         if k != "step"
     )
-    import ctypes
-    import gc
-
     gc.collect()
     # memory freed by torch goes back to glibc's arenas (the offload's I/O threads allocate in
     # their own); hand it back to the system before reading what is resident
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc.malloc_trim(0)
     return {
-        "rss_anon": _rss_anon(),
+        "rss_anon": _rss_anon() - baseline,
         "offloaded_bytes": 3 * shard if offloaded else 0,  # parameters + exp_avg + exp_avg_sq
         "resident": resident,
         "estimate": {row.setting: row.resident for row in estimate.rows},
