@@ -60,7 +60,8 @@ def _scenario(rank, world_size, kind, codegen):
     return _checkpointed_worker(rank, world_size, codegen)
 
 
-SCENARIOS = [("checkpointed", "eager"), ("checkpointed", "inductor")]
+# Inductor with checkpointed attention: tests/test_training_patterns.py
+SCENARIOS = [("checkpointed", "eager")]
 
 
 @functools.cache
@@ -72,7 +73,7 @@ def checkpointed_results(codegen):
     return _scenarios()[("checkpointed", codegen)]
 
 
-@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+@pytest.mark.parametrize("codegen", ["eager"])
 def test_activation_checkpointing_inside_the_model(codegen):
     for r in checkpointed_results(codegen):
         assert r["grad_error"] <= (1e-5 if codegen == "eager" else 1e-4)
