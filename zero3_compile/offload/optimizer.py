@@ -160,15 +160,20 @@ class _OptimizerOffload:
         if shard is not None and shard.offload is not None and not shard.offload.evicted:
             evict_shard(shard)
 
-    def _commit(self, params) -> None:
+    def _regions(self, params):
+        """The store regions of ``params``: their optimizer state and offloaded shards."""
         for param in params:
             for key in self._offloadable(param):
                 region = self.regions.get((id(param), key))
                 if region is not None:
-                    self.store.commit(region)
+                    yield region
             shard = state_of(param)
             if shard is not None and shard.offload is not None:
-                shard.offload.store.commit(shard.offload.region)
+                yield shard.offload.region
+
+    def _commit(self, params) -> None:
+        for region in self._regions(params):
+            region.commit()
 
     def _abandon(self, params) -> None:
         """A step failed: forget its writes and its in-memory values; every offloaded tensor
@@ -193,14 +198,8 @@ class _OptimizerOffload:
         self.evicted.add(handle)
 
     def _discard(self, params) -> None:
-        for param in params:
-            for key in self._offloadable(param):
-                region = self.regions.get((id(param), key))
-                if region is not None:
-                    self.store.discard(region)
-            shard = state_of(param)
-            if shard is not None and shard.offload is not None:
-                shard.offload.store.discard(shard.offload.region)
+        for region in self._regions(params):
+            region.discard()
 
     # ------------------------------------------------------------------ the step
 

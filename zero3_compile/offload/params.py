@@ -213,10 +213,10 @@ def loaded(states: Iterable, *, write_back: bool) -> Iterator[None]:
             for state in filled:
                 state.offload.store.write(state.offload.region, _data(state).contiguous())
             for state in filled:
-                state.offload.store.commit(state.offload.region)
+                state.offload.region.commit()
     except BaseException:
         for state in filled:
-            state.offload.store.discard(state.offload.region)
+            state.offload.region.discard()
         raise
     finally:
         for state in filled:
@@ -237,10 +237,10 @@ def store_shards(states: Iterable) -> None:
             state.offload.store.write(state.offload.region, _data(state).contiguous())
     except BaseException:
         for state in states:
-            state.offload.store.discard(state.offload.region)
+            state.offload.region.discard()
         raise
     for state in states:
-        state.offload.store.commit(state.offload.region)
+        state.offload.region.commit()
         _evict(state)
 
 

@@ -51,6 +51,15 @@ class Region:
     def read_offset(self) -> int:
         return self.offsets[self.current]
 
+    def commit(self) -> None:
+        """The pending slot becomes the current one (after a step that changed the values)."""
+        if self.pending is not None:
+            self.current, self.pending = self.pending, None
+
+    def discard(self) -> None:
+        """Forget the pending slot: the current one still holds the previous values."""
+        self.pending = None
+
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
@@ -169,13 +178,6 @@ class DiskStore:
     def write_current(self, region: Region, tensor: torch.Tensor) -> None:
         """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
         self._transfer(tensor, region.read_offset, region.nbytes, write=True)
-
-    def commit(self, region: Region) -> None:
-        if region.pending is not None:
-            region.current, region.pending = region.pending, None
-
-    def discard(self, region: Region) -> None:
-        region.pending = None
 
     def read(self, region: Region, out: torch.Tensor) -> None:
         self._transfer(out, region.read_offset, region.nbytes, write=False)
@@ -327,13 +329,6 @@ class HostStore:
     def write_current(self, region: Region, tensor: torch.Tensor) -> None:
         self._slot(region, region.current).copy_(tensor.reshape(-1).view(torch.uint8))
         self.bytes_written += region.nbytes
-
-    def commit(self, region: Region) -> None:
-        if region.pending is not None:
-            region.current, region.pending = region.pending, None
-
-    def discard(self, region: Region) -> None:
-        region.pending = None
 
     def read(self, region: Region, out: torch.Tensor) -> None:
         out.view(-1).view(torch.uint8).copy_(self._slot(region, region.current), non_blocking=True)
