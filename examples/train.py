@@ -80,6 +80,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import zero3_compile as z3  # noqa: E402
 from tests.models import GPT, GPTConfig  # noqa: E402
 from zero3_compile.checkpoint import CheckpointCorruptError, load_rank_state  # noqa: E402
+from zero3_compile.guard import roll_call  # noqa: E402
 
 ROLL_CALL_S = 3.0
 SIZES = {
@@ -314,15 +315,12 @@ def lost_ranks(store: dist.Store, rank: int, world: int) -> tuple[list[int], str
     answered."""
     prefix = "train/rollcall/"
     try:
-        store.set(prefix + str(rank), "1")
-        answered = store.add(prefix + "count", 1)
-        deadline = time.monotonic() + ROLL_CALL_S
-        while answered < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-            answered = store.add(prefix + "count", 0)
-        if answered >= world:
+        alive = roll_call(prefix, range(world), ROLL_CALL_S, store)
+        if alive is None:
+            raise ConnectionError("the store is unreachable")
+        if len(alive) == world:
             return [], "every rank answered"
-        mine = [r for r in range(world) if not store.check([prefix + str(r)])]
+        mine = sorted(set(range(world)) - alive)
         verdict = store.compare_set(prefix + "verdict", "", repr(mine)).decode()
         lost = [int(r) for r in re.findall(r"\d+", verdict)]
         return lost, f"no answer to a roll call within {ROLL_CALL_S:.0f}s"

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .compat import default_store
+from .guard import roll_call
 
 _BACKUP = ".zero3-previous"
 MANIFEST = "zero3_manifest.json"
@@ -481,22 +481,10 @@ def _lost_ranks(call: str, wait_s: float = ROLL_CALL_S) -> list[int] | None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = default_store()
-    if store is None:
-        return None
-    prefix = f"zero3/checkpoint/{call}/rollcall/"
-    try:
-        store.set(prefix + str(rank), "1")
-        answered = store.add(prefix + "count", 1)
-        deadline = time.monotonic() + wait_s
-        while answered < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-            answered = store.add(prefix + "count", 0)
-        if answered >= world:
-            return None
-        return [r for r in range(world) if not store.check([prefix + str(r)])]
-    except Exception:  # noqa: BLE001  - the store is gone: its host (rank 0 unless torchrun's
-        return [0] if rank != 0 else None  # agent hosts it) died
+    alive = roll_call(f"zero3/checkpoint/{call}/rollcall/", range(world), wait_s)
+    if alive is None:  # the store is gone: its host (rank 0 unless torchrun's agent hosts it) died
+        return [0] if rank != 0 else None
+    return sorted(set(range(world)) - alive - {rank}) or None
 
 
 def _raise_if_peer_lost(error: BaseException, call: str, what: str, note: str) -> None:

@@ -248,28 +248,34 @@ def _lost_peer_message(guard: _GroupGuard, label: str, timeout: float, error: Ex
 def _responding_ranks(guard: _GroupGuard, wait_s: float = 2.0) -> set[int]:
     """Ranks that answer a roll call in the store within ``wait_s`` (best effort). Every rank
     that lost a peer fails its check at about the same time, so the living answer at once."""
-    store = default_store()
-    if store is None:
-        return set(guard.ranks)
-    prefix = f"zero3/rollcall/{guard.group_name}/{guard.count}/"
     me = dist.get_rank()
-    # the store is gone with its host: rank 0 unless a launcher's agent (torchrun) hosts it
-    store_host_lost = {r for r in guard.ranks if r != 0} | {me}
-    try:
-        store.set(prefix + str(me), "1")
-    except Exception:  # noqa: BLE001
-        return store_host_lost
-    deadline = time.monotonic() + wait_s
-    alive: set[int] = set()
-    while time.monotonic() < deadline:
-        try:
-            alive = {r for r in guard.ranks if store.check([prefix + str(r)])}
-        except Exception:  # noqa: BLE001
-            return store_host_lost
-        if len(alive) == len(guard.ranks):
-            break
-        time.sleep(0.1)
+    alive = roll_call(f"zero3/rollcall/{guard.group_name}/{guard.count}/", guard.ranks, wait_s)
+    if alive is None:  # the store is gone with its host: rank 0 unless torchrun's agent hosts it
+        return {r for r in guard.ranks if r != 0} | {me}
     return alive | {me}
+
+
+def roll_call(
+    prefix: str, ranks, wait_s: float, store: dist.Store | None = None
+) -> set[int] | None:
+    """This rank answers under ``prefix`` in ``store`` (default: the default process group's),
+    then waits up to ``wait_s`` for ``ranks`` to answer; returns those that did, or None when the
+    store cannot be reached (its host died). Used after a failed exchange to name the ranks that
+    are gone."""
+    store = store if store is not None else default_store()
+    ranks = list(ranks)
+    if store is None:
+        return set(ranks)
+    try:
+        store.set(prefix + str(dist.get_rank()), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = {r for r in ranks if store.check([prefix + str(r)])}
+            if len(alive) == len(ranks) or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def group_of(group_name: str) -> dist.ProcessGroup:
