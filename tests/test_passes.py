@@ -12,7 +12,14 @@ import zero3_compile  # noqa: F401  (registers the zero3:: ops)
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zero3_compile.context import PassContext, block_of
 from zero3_compile.node_keys import BUCKET, PARAM_DERIVED
-from zero3_compile.ops import REDUCE_GRAD, UNSHARD
+from zero3_compile.ops import (
+    GATHER_COPY_IN,
+    GATHER_COPY_OUT,
+    REDUCE_COPY_IN,
+    REDUCE_COPY_OUT,
+    REDUCE_GRAD,
+    UNSHARD,
+)
 from zero3_compile.options import Options
 from zero3_compile.param import MarkerArgs, UnshardCall, marker_tuple
 from zero3_compile.passes import (
@@ -185,8 +192,10 @@ def test_lower_single_parameter_gather_is_a_view_of_the_collective():
     assert ag.meta["val"].shape == (WORLD * 3 * 6,)
     (wait,) = ag.users
     assert wait.target is WAIT
-    # the full weight: view of the gathered rows, first 10 rows; no copy
-    assert not calls(gm, aten.clone.default) and not calls(gm, aten.cat.default)
+    # the shard (3 rows, no padding, no cast) is the collective's input as it is, and the full
+    # weight is a view of the gathered rows, first 10 rows: no copy on either side
+    assert not calls(gm, GATHER_COPY_IN) and not calls(gm, GATHER_COPY_OUT)
+    assert ag.args[0].op == "placeholder" or ag.args[0].target is aten.view.default
     (rows,) = calls(gm, aten.slice.Tensor)
     assert rows.meta["val"].shape == (10, 6)
     verify(gm, plan(), lowered=True)
@@ -197,9 +206,12 @@ def test_lower_bucket_gathers_once_and_copies_out_each_parameter():
     run(gm, plan(), assign_buckets, lower_gathers)
     (ag,) = calls(gm, ALL_GATHER)
     assert ag.meta["val"].shape == (WORLD * (2 * 8 + 2),)  # both shards, one collective
-    assert len(calls(gm, aten.cat.default)) == 1
-    clones = calls(gm, aten.clone.default)
-    assert sorted(tuple(c.meta["val"].shape) for c in clones) == [(WORLD, 2), (WORLD, 16)]
+    (copy_in,) = calls(gm, GATHER_COPY_IN)  # one copy-in of both shards, padded
+    assert copy_in.args[1] == [16, 2] and ag.args[0] is copy_in
+    (copy_out,) = calls(gm, GATHER_COPY_OUT)  # one copy-out, a (world, size) part per parameter
+    assert copy_out.args[0] is next(iter(ag.users)) and copy_out.args[1:] == (WORLD, [16, 2])
+    parts = [tuple(p.shape) for p in copy_out.meta["val"]]
+    assert parts == [(WORLD, 16), (WORLD, 2)]
     # issued right before the first use
     order = position(gm)
     (addmm,) = calls(gm, aten.addmm.default)
@@ -317,8 +329,10 @@ def test_reduce_scatters_issue_when_bucket_ready_and_wait_one_behind():
         if k + 1 < 3:
             assert order[rss[k]] < order[sums[k + 1]]  # ...as soon as it is ready
             assert order[waits[k]] < order[rss[k + 1]]  # at most one in flight
-    divs = calls(gm, aten.div.Tensor)
-    assert len(divs) == 6 and all(d.args[1] == WORLD for d in divs)  # the mean over ranks
+    copy_outs = calls(gm, REDUCE_COPY_OUT)
+    assert len(copy_outs) == 3 and all(c.args[3] == WORLD for c in copy_outs)  # the mean
+    for c, wait in zip(sorted(copy_outs, key=order.__getitem__), waits):
+        assert c.args[0] is wait and c.args[1:3] == ([16, 2], [16, 2])  # the whole shard each
     verify(gm, plan("backward"), lowered=True)
 
 
@@ -337,8 +351,9 @@ def test_reduce_bucket_packs_gradients_in_rank_major_layout():
     (rs,) = calls(gm, REDUCE_SCATTER)
     assert rs.args[1] == "sum"
     assert rs.args[0].meta["val"].shape == (WORLD * (16 + 2),)
-    (cat,) = calls(gm, aten.cat.default)
-    assert cat.args[1] == 1 and cat.meta["val"].shape == (WORLD, 18)  # (world, bucket_numel)
+    (copy_in,) = calls(gm, REDUCE_COPY_IN)  # both gradients, each padded to world * size
+    assert rs.args[0] is copy_in and copy_in.args[1:] == (WORLD, [16, 2], torch.float32)
+    # the layout's arithmetic itself: tests/test_arithmetic.py
 
 
 # ------------------------------------------------------------------------------------ verifier

@@ -1,21 +1,25 @@
 """The arithmetic around every collective, written once as plain tensor functions.
 
-The eager operations (``ops.py``) call these functions on real tensors around a real collective;
-the graph passes splice the very same functions into the scheduled graphs by tracing them
-(``graph_utils.splice``). So padding, casting, flattening, the bucket layout and the division by
-N exist in one place. See [Note: zero3 tensors] in ``param.py`` for the vocabulary.
+The eager operations (``ops.py``) call these functions on real tensors around a real collective.
+In the scheduled graphs, copy-in and copy-out are four fixed operations (``zero3::gather_copy_in``
+and the others, ``ops.py``) whose bodies are these same functions: Inductor calls them as they
+are instead of generating a kernel per bucket shape, which on CPU is a C++ compile each (half of
+the kernels of a sharded GPT's graphs, compiled again for every bucket size). So padding,
+casting, flattening, the bucket layout and the division by N exist in one place. See
+[Note: zero3 tensors] in ``param.py`` for the vocabulary.
 
-All-gather of a bucket of k parameters over N ranks::
+All-gather of a bucket of k parameters over N ranks (``size_i``: ``padded_numel``)::
 
-    copy-in:   flat = cat([pad(flatten(cast(shard_i)))])          # (bucket_numel,)
-    collective: gathered = all_gather(flat)                        # (N * bucket_numel,)
-    copy-out:  full_i = rows(view(clone(gathered.view(N, -1)[:, o_i : o_i + n_i])))
+    copy-in:   flat = [pad(flatten(cast(shard_i)), size_i) for each i]   # (bucket_numel,)
+    collective: gathered = all_gather(flat)                               # (N * bucket_numel,)
+    copy-out:  part_i = split_with_sizes_copy(gathered.view(N, -1), sizes, dim=1)[i]
+               full_i = part_i.view(N * rows_per_rank, ...)[:dim0]       # a view
 
 Reduce-scatter of a bucket of gradients::
 
-    copy-in:   flat = cat([pad(flatten(cast(grad_i))).view(N, -1)], dim=1).view(-1)
-    collective: reduced = reduce_scatter(flat, "sum")              # (bucket_numel,)
-    copy-out:  shard_grad_i = cast(reduced[o_i : o_i + local_i].view(shape_i) / N)
+    copy-in:   flat[r] = [pad(flatten(cast(grad_i)), N * size_i).view(N, -1)[r] for each i]
+    collective: reduced = reduce_scatter(flat.view(-1), "sum")            # (bucket_numel,)
+    copy-out:  shard_grad_i = cast(reduced[o_i : o_i + local_numel_i] / N).view(shape_i)
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .layout import ShardLayout
 
@@ -48,83 +51,126 @@ def reduce_bytes(layouts: Sequence[ShardLayout], dtype: torch.dtype) -> int:
     return gather_bytes(layouts, dtype)
 
 
+def sizes(layouts: Sequence[ShardLayout]) -> list[int]:
+    """Each member's part of a bucket, per rank (its ``padded_numel``)."""
+    return [layout.padded_numel for layout in layouts]
+
+
 def gather_copy_in(
-    shards: Sequence[torch.Tensor], layouts: Sequence[ShardLayout], dtype: torch.dtype
+    shards: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """The flat input of a bucket's all-gather: each shard cast, flattened, padded."""
-    flats = []
-    for shard, layout in zip(shards, layouts):
-        x = cast(shard, dtype)
-        x = x.reshape(-1)
-        pad = layout.padded_numel - x.numel()
-        if pad:
-            x = F.pad(x, (0, pad))
-        flats.append(x)
-    return flats[0] if len(flats) == 1 else torch.cat(flats)  # (bucket_numel,)
+    """The flat input of a bucket's all-gather: each shard cast, flattened and padded to its
+    ``size`` (``ShardLayout.padded_numel``), in one buffer."""
+    flat = shards[0].new_empty(sum(sizes), dtype=dtype)
+    offset = 0
+    for shard, size in zip(shards, sizes):
+        numel = shard.numel()
+        flat.narrow(0, offset, numel).copy_(shard.reshape(-1))  # copy_ casts
+        flat.narrow(0, offset + numel, size - numel).zero_()
+        offset += size
+    return flat  # (bucket_numel,)
 
 
-def gather_copy_out(gathered: torch.Tensor, layouts: Sequence[ShardLayout]) -> list[torch.Tensor]:
+def gather_input(
+    shards: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype, copy_in=gather_copy_in
+) -> torch.Tensor:
+    """The all-gather's input: a lone shard that needs no cast and no padding is used as it is
+    (a view); otherwise ``copy_in`` (in graphs, the ``zero3::gather_copy_in`` operation, whose
+    body is ``gather_copy_in``)."""
+    if len(shards) == 1 and _flat_as_is(shards[0], sizes[0], dtype):
+        return shards[0].view(-1)
+    return copy_in(list(shards), list(sizes), dtype)
+
+
+def _flat_as_is(x: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
+    return x.numel() == numel and x.dtype == dtype and x.is_contiguous()
+
+
+def gather_copy_out_parts(
+    gathered: torch.Tensor, world: int, sizes: Sequence[int]
+) -> list[torch.Tensor]:
+    """Each parameter's part of a gathered bucket of several, copied out: ``(N, size)``, every
+    rank's padded shard of it (``gathered_rows`` views it as the parameter)."""
+    parts = [gathered.new_empty((world, size)) for size in sizes]
+    torch.split_with_sizes_copy(gathered.view(world, sum(sizes)), list(sizes), dim=1, out=parts)
+    return parts
+
+
+def gathered_rows(part: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The full parameter in one parameter's gathered part (a single-parameter bucket's whole
+    buffer, or one of ``gather_copy_out_parts``): its first ``dim0`` rows, a view."""
+    rows = part.view(layout.gathered_shape())
+    if rows.shape[0] == layout.dim0:
+        return rows
+    return rows.narrow(0, 0, layout.dim0)
+
+
+def gather_copy_out(
+    gathered: torch.Tensor, layouts: Sequence[ShardLayout], copy_parts=gather_copy_out_parts
+) -> list[torch.Tensor]:
     """The full parameters in a gathered bucket ``(N * bucket_numel,)``.
 
-    A single parameter is a view of the buffer (its first ``dim0`` rows: padding sits only at
-    the tail); in a bucket of several, each one's rows are strided across ranks and are copied.
+    A single parameter is a view of the buffer (padding sits only at the tail); in a bucket of
+    several, each one's rows are strided across ranks and are copied out first (``copy_parts``:
+    in graphs, the ``zero3::gather_copy_out`` operation, whose body is the default).
     """
     if len(layouts) == 1:
-        return [_rows(gathered.view(layouts[0].gathered_shape()), layouts[0])]
-    world = layouts[0].world_size
-    bucket_numel = sum(layout.padded_numel for layout in layouts)
-    per_rank = gathered.view(world, bucket_numel)
-    fulls, offset = [], 0
-    for layout in layouts:
-        part = per_rank.narrow(1, offset, layout.padded_numel)
-        part = part.clone(memory_format=torch.contiguous_format)  # (N, padded_numel)
-        fulls.append(_rows(part.view(layout.gathered_shape()), layout))
-        offset += layout.padded_numel
-    return fulls
-
-
-def _rows(gathered_rows: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """The first dim0 rows of the padded gathered rows: the full parameter."""
-    if gathered_rows.shape[0] == layout.dim0:
-        return gathered_rows
-    return gathered_rows.narrow(0, 0, layout.dim0)
+        return [gathered_rows(gathered, layouts[0])]
+    parts = copy_parts(gathered, layouts[0].world_size, sizes(layouts))
+    return [gathered_rows(part, layout) for part, layout in zip(parts, layouts)]
 
 
 def reduce_copy_in(
-    grads: Sequence[torch.Tensor], layouts: Sequence[ShardLayout], dtype: torch.dtype
+    grads: Sequence[torch.Tensor], world: int, sizes: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """The flat input of a bucket's reduce-scatter, rank-major: rank r's part of every gradient
-    of the bucket comes before rank r + 1's."""
-    world = layouts[0].world_size
-    pieces = []
-    for grad, layout in zip(grads, layouts):
-        x = cast(grad, dtype)
-        x = x.reshape(-1)
-        pad = layout.padded_numel * world - x.numel()
-        if pad:
-            x = F.pad(x, (0, pad))
-        pieces.append(x if len(grads) == 1 else x.view(world, layout.padded_numel))
-    if len(pieces) == 1:
-        return pieces[0]  # (N * padded_numel,)
-    return torch.cat(pieces, 1).view(-1)  # (N, bucket_numel) -> (N * bucket_numel,)
+    of the bucket comes before rank r + 1's; each gradient cast, and padded to ``world * size``."""
+    flat = grads[0].new_empty((world, sum(sizes)), dtype=dtype)
+    offset = 0
+    for grad, size in zip(grads, sizes):
+        dst = flat.narrow(1, offset, size)  # (N, size): row r is rank r's part
+        offset += size
+        if size == 0:
+            continue
+        src = grad.reshape(-1)
+        whole = src.numel() // size  # ranks whose part is all gradient, no padding
+        dst.narrow(0, 0, whole).copy_(src.narrow(0, 0, whole * size).view(whole, size))
+        if whole < world:
+            rest = src.numel() - whole * size
+            dst[whole].narrow(0, 0, rest).copy_(src.narrow(0, whole * size, rest))
+            dst[whole].narrow(0, rest, size - rest).zero_()
+            dst.narrow(0, whole + 1, world - whole - 1).zero_()
+    return flat.view(-1)  # (N * bucket_numel,)
+
+
+def reduce_input(
+    grads: Sequence[torch.Tensor],
+    world: int,
+    sizes: Sequence[int],
+    dtype: torch.dtype,
+    copy_in=reduce_copy_in,
+) -> torch.Tensor:
+    """The reduce-scatter's input: a lone gradient that needs no cast and no padding is used as
+    it is (a view); otherwise ``copy_in`` (in graphs, ``zero3::reduce_copy_in``)."""
+    if len(grads) == 1 and _flat_as_is(grads[0], world * sizes[0], dtype):
+        return grads[0].view(-1)
+    return copy_in(list(grads), world, list(sizes), dtype)
 
 
 def reduce_copy_out(
     reduced: torch.Tensor,
-    layouts: Sequence[ShardLayout],
-    shard_shapes: Sequence[Sequence[int]],
-    shard_dtypes: Sequence[torch.dtype],
-    replicas: int = 1,
+    sizes: Sequence[int],
+    numels: Sequence[int],
+    divisor: int,
+    dtypes: Sequence[torch.dtype],
 ) -> list[torch.Tensor]:
-    """This rank's gradient shards in a reduced bucket ``(bucket_numel,)``: the mean over ranks
-    (the shard group's, times ``replicas`` when the bucket was also summed over replicas)."""
-    world = layouts[0].world_size * replicas
+    """This rank's gradient shards in a reduced bucket ``(bucket_numel,)``, flat: the first
+    ``numel`` of each member's ``size`` elements, the mean over the ``divisor`` ranks that summed
+    them (the shard group's, times the replicas under hybrid sharding), cast to its dtype."""
     shards, offset = [], 0
-    for layout, shape, dtype in zip(layouts, shard_shapes, shard_dtypes):
-        numel = _numel(shape)
-        x = reduced.narrow(0, offset, numel).view(list(shape)) / world
-        shards.append(cast(x, dtype))
-        offset += layout.padded_numel
+    for size, numel, dtype in zip(sizes, numels, dtypes):
+        shards.append(cast(reduced.narrow(0, offset, numel) / divisor, dtype))
+        offset += size
     return shards
 
 
@@ -139,10 +185,3 @@ def single_rank_reduce(
     """World size 1: the gradient already is the mean; only dtypes and the shape change."""
     x = cast(grad, reduce_dtype).reshape(list(shape))
     return cast(x, dtype)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n

@@ -17,6 +17,7 @@ replace them by bucketed functional collectives, spliced in from the same arithm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -54,8 +55,8 @@ def unshard(shard: torch.Tensor, *rest) -> torch.Tensor:
     if args.world_size == 1:
         return _not_aliasing(arithmetic.single_rank_gather(readable(shard), dtype), shard)
     guard.check(args.group_name, guard.KIND_EAGER_GATHER, args.param_id, repr(args.fqn))
-    flat = arithmetic.gather_copy_in([readable(shard)], [args.layout], dtype)
-    gathered = all_gather(flat.contiguous(), args.world_size, args.group_name)
+    flat = arithmetic.gather_input([readable(shard)], [args.layout.padded_numel], dtype)
+    gathered = all_gather(flat, args.world_size, args.group_name)
     return arithmetic.gather_copy_out(gathered, [args.layout])[0]
 
 
@@ -81,13 +82,18 @@ def reduce_grad(grad: torch.Tensor, *rest) -> torch.Tensor:
             full / args.replicate_size, dtype, shard_shape, shard_dtype
         )
     guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
-    flat = arithmetic.reduce_copy_in([grad], [args.layout], dtype)
-    reduced = reduce_scatter_sum(flat.contiguous(), args.world_size, args.group_name)
+    flat = arithmetic.reduce_input([grad], args.world_size, [args.layout.padded_numel], dtype)
+    reduced = reduce_scatter_sum(flat, args.world_size, args.group_name)
     if args.replicate_size > 1:  # hybrid sharding: the shard's sum over the replicas too
         reduced = all_reduce_sum(reduced, args.replicate_group)
-    return arithmetic.reduce_copy_out(
-        reduced, [args.layout], [shard_shape], [shard_dtype], args.replicate_size
-    )[0]
+    (out,) = arithmetic.reduce_copy_out(
+        reduced,
+        [args.layout.padded_numel],
+        [math.prod(shard_shape)],
+        args.world_size * args.replicate_size,
+        [shard_dtype],
+    )
+    return out.view(shard_shape)
 
 
 @reduce_grad.register_fake
@@ -134,6 +140,63 @@ def is_unshard(node) -> bool:
 
 def is_reduce_grad(node) -> bool:
     return node.op == "call_function" and node.target is REDUCE_GRAD
+
+
+# ------------------------------------------------------------------------------- copy-in, copy-out
+# What the lowering passes put around a bucket's collective: fixed operations, so Inductor calls
+# them instead of generating (and, on CPU, compiling) a kernel for every bucket's shapes.
+
+
+@torch.library.custom_op("zero3::gather_copy_in", mutates_args=())
+def gather_copy_in(
+    shards: list[torch.Tensor], sizes: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return arithmetic.gather_copy_in(shards, sizes, dtype)
+
+
+@gather_copy_in.register_fake
+def _gather_copy_in_fake(shards, sizes, dtype):
+    return shards[0].new_empty(sum(sizes), dtype=dtype)
+
+
+@torch.library.custom_op("zero3::gather_copy_out", mutates_args=())
+def gather_copy_out(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
+    return arithmetic.gather_copy_out_parts(gathered, world, sizes)
+
+
+@gather_copy_out.register_fake
+def _gather_copy_out_fake(gathered, world, sizes):
+    return [gathered.new_empty((world, size)) for size in sizes]
+
+
+@torch.library.custom_op("zero3::reduce_copy_in", mutates_args=())
+def reduce_copy_in(
+    grads: list[torch.Tensor], world: int, sizes: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return arithmetic.reduce_copy_in(grads, world, sizes, dtype)
+
+
+@reduce_copy_in.register_fake
+def _reduce_copy_in_fake(grads, world, sizes, dtype):
+    return grads[0].new_empty(world * sum(sizes), dtype=dtype)
+
+
+@torch.library.custom_op("zero3::reduce_copy_out", mutates_args=())
+def reduce_copy_out(
+    reduced: torch.Tensor, sizes: list[int], numels: list[int], divisor: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return arithmetic.reduce_copy_out(reduced, sizes, numels, divisor, [dtype] * len(sizes))
+
+
+@reduce_copy_out.register_fake
+def _reduce_copy_out_fake(reduced, sizes, numels, divisor, dtype):
+    return [reduced.new_empty(numel, dtype=dtype) for numel in numels]
+
+
+GATHER_COPY_IN = torch.ops.zero3.gather_copy_in.default
+GATHER_COPY_OUT = torch.ops.zero3.gather_copy_out.default
+REDUCE_COPY_IN = torch.ops.zero3.reduce_copy_in.default
+REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default
 
 
 # ------------------------------------------------------------------------------- the graph guard
@@ -216,8 +279,10 @@ class UnshardMany(torch.autograd.Function):
                 first.group_name, guard.KIND_EAGER_GATHER, _group_code(group), _group_label(group)
             )
             layouts = [m.layout for m in group]
-            flat = arithmetic.gather_copy_in([readable(shards[i]) for i in indices], layouts, dtype)
-            gathered = all_gather(flat.contiguous(), first.world_size, first.group_name)
+            flat = arithmetic.gather_input(
+                [readable(shards[i]) for i in indices], arithmetic.sizes(layouts), dtype
+            )
+            gathered = all_gather(flat, first.world_size, first.group_name)
             for i, full in zip(indices, arithmetic.gather_copy_out(gathered, layouts)):
                 fulls[i] = full
         return tuple(fulls)
@@ -254,17 +319,20 @@ class UnshardMany(torch.autograd.Function):
                     presence=present,
                 )
                 layouts = [m.layout for m in group]
-                flat = arithmetic.reduce_copy_in(full, layouts, dtype)
-                result = reduce_scatter_sum(flat.contiguous(), first.world_size, first.group_name)
+                sizes = arithmetic.sizes(layouts)
+                flat = arithmetic.reduce_input(full, first.world_size, sizes, dtype)
+                result = reduce_scatter_sum(flat, first.world_size, first.group_name)
                 if first.replicate_size > 1:
                     result = all_reduce_sum(result, first.replicate_group)
-                reduced = arithmetic.reduce_copy_out(
+                shapes = [ctx.shard_shapes[i] for i in indices]
+                flats = arithmetic.reduce_copy_out(
                     result,
-                    layouts,
-                    [ctx.shard_shapes[i] for i in indices],
+                    sizes,
+                    [math.prod(shape) for shape in shapes],
+                    first.world_size * first.replicate_size,
                     [ctx.shard_dtypes[i] for i in indices],
-                    first.replicate_size,
                 )
+                reduced = [x.view(shape) for x, shape in zip(flats, shapes)]
             for i, grad, keep in zip(indices, reduced, union):
                 out[i] = grad if keep else None
         return (None, *out)

@@ -23,7 +23,7 @@ from ..node_keys import (
     ROLE_RELOAD,
     ROLE_RELOAD_WAIT,
 )
-from ..ops import RELOAD, UNSHARD
+from ..ops import GATHER_COPY_IN, GATHER_COPY_OUT, RELOAD, UNSHARD
 from ..param import UnshardCall
 
 
@@ -34,7 +34,8 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     ``unshard`` marker is left; each bucket is one ``all_gather_into_tensor`` whose single user is
     its ``wait_tensor``, all placed right before the bucket's first use (the prefetch pass moves
     the issue earlier). Shard views are hoisted to the top so issues can move freely. Copy-in and
-    copy-out are ``arithmetic.gather_copy_in`` / ``gather_copy_out``, traced and spliced in.
+    copy-out are the fixed operations ``zero3::gather_copy_in`` / ``gather_copy_out`` (bodies in
+    ``arithmetic.py``): Inductor calls them rather than compiling a kernel per bucket shape.
 
     ```
     before:
@@ -47,25 +48,22 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
       return relu
     after:
       inputs: arg0_1, arg1_1, arg2_1
-      view = view(arg1_1, [-1])
-      view_1 = view(arg2_1, [-1])
-      cat = cat([view, view_1])
-      all_gather_into_tensor_default = all_gather_into_tensor(cat, 4, '0')
+      gather_copy_in = gather_copy_in([arg1_1, arg2_1], [16, 2], float32)
+      all_gather_into_tensor_default = all_gather_into_tensor(gather_copy_in, 4, '0')
       wait_tensor_default = wait_tensor(all_gather_into_tensor_default)
-      view_2 = view(wait_tensor_default, [4, 18])
-      slice_1 = slice(view_2, 1, 0, 16)
-      clone = clone(slice_1)
-      view_3 = view(clone, [8, 8])
-      slice_2 = slice(view_2, 1, 16, 18)
-      clone_1 = clone(slice_2)
-      view_4 = view(clone_1, [8])
-      t = t(view_3)
-      addmm = addmm(view_4, arg0_1, t)
+      gather_copy_out = gather_copy_out(wait_tensor_default, 4, [16, 2])
+      getitem = getitem(gather_copy_out, 0)
+      getitem_1 = getitem(gather_copy_out, 1)
+      view = view(getitem, [8, 8])
+      view_1 = view(getitem_1, [8])
+      t = t(view)
+      addmm = addmm(view_1, arg0_1, t)
       relu = relu(addmm)
       return relu
     ```
     A single-parameter bucket needs no copy-out: its first ``dim0`` gathered rows are the
-    parameter (padding sits only at the tail, see ``layout.py``). An offloaded shard is read
+    parameter (padding sits only at the tail, see ``layout.py``); nor a copy-in when its shard
+    needs no cast and no padding. An offloaded shard is read
     back first: ``reload(shard)`` and its ``wait_tensor``, right before the copy-in.
     """
     graph = gm.graph
@@ -175,12 +173,13 @@ def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx
         ]
     layouts = [a.layout for a in args]
     shards = [_reloaded(factory, c) if c.args.offloaded else c.shard for c in calls]
+    sizes = arithmetic.sizes(layouts)
     flat = factory(ROLE_GATHER_COPY_IN).splice(
-        lambda *shards: arithmetic.gather_copy_in(shards, layouts, dtype), shards
+        lambda *s: arithmetic.gather_input(s, sizes, dtype, copy_in=GATHER_COPY_IN), shards
     )
     world, group = args[0].world_size, args[0].group_name
     gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, group)
     waited = factory(ROLE_GATHER_WAIT)(WAIT, gathered)  # (world * bucket_numel,)
     return factory(ROLE_GATHER_COPY_OUT).splice(
-        lambda g: arithmetic.gather_copy_out(g, layouts), [waited]
+        lambda g: arithmetic.gather_copy_out(g, layouts, copy_parts=GATHER_COPY_OUT), [waited]
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 
 import torch.fx as fx
@@ -22,7 +23,7 @@ from ..node_keys import (
     ROLE_REPLICA_ALL_REDUCE,
     ROLE_REPLICA_WAIT,
 )
-from ..ops import REDUCE_GRAD
+from ..ops import REDUCE_COPY_IN, REDUCE_COPY_OUT, REDUCE_GRAD
 from ..param import ReduceGradCall
 
 
@@ -36,7 +37,9 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     ``j + reduce_scatter_depth`` is issued, or before the output for the last buckets, so at most
     ``reduce_scatter_depth`` full-size gradient buckets are in flight. With hybrid sharding the
     reduced shard bucket is then all-reduced over the replicate group, issued right after the
-    reduce-scatter's wait and waited one bucket later.
+    reduce-scatter's wait and waited one bucket later. Copy-in and copy-out are the fixed
+    operations ``zero3::reduce_copy_in`` / ``reduce_copy_out`` (bodies in ``arithmetic.py``); a
+    lone gradient that needs no cast and no padding goes to the collective as it is (a view).
 
     ```
     before:
@@ -53,16 +56,16 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
       reduce_scatter_tensor_default = reduce_scatter_tensor(view, 'sum', 4, '0')
       mul_1 = mul(arg0_1, 2)
       wait_tensor_default = wait_tensor(reduce_scatter_tensor_default)
-      slice_1 = slice(wait_tensor_default, 0, 0, 4)
-      view_2 = view(slice_1, [1, 4])
-      div = div(view_2, 4)
+      reduce_copy_out = reduce_copy_out(wait_tensor_default, [4], [4], 4, float32)
+      getitem = getitem(reduce_copy_out, 0)
+      view_2 = view(getitem, [1, 4])
       view_1 = view(mul_1, [-1])
       reduce_scatter_tensor_default_1 = reduce_scatter_tensor(view_1, 'sum', 4, '0')
       wait_tensor_default_1 = wait_tensor(reduce_scatter_tensor_default_1)
-      slice_2 = slice(wait_tensor_default_1, 0, 0, 4)
-      view_3 = view(slice_2, [1, 4])
-      div_1 = div(view_3, 4)
-      return [div, div_1]
+      reduce_copy_out_1 = reduce_copy_out(wait_tensor_default_1, [4], [4], 4, float32)
+      getitem_1 = getitem(reduce_copy_out_1, 0)
+      view_3 = view(getitem_1, [1, 4])
+      return [view_2, view_3]
     ```
     """
     graph = gm.graph
@@ -142,10 +145,14 @@ def _emit_issue(graph: fx.Graph, index: int, members: list[fx.Node]) -> tuple[fx
     layouts = [c.args.layout for c in calls]
     dtype = _dtype(calls[0])
     copy_in = _factory(graph, ROLE_REDUCE_COPY_IN, index, members)
-    flat = copy_in.splice(
-        lambda *grads: arithmetic.reduce_copy_in(grads, layouts, dtype), [c.grad for c in calls]
-    )
     first = calls[0].args
+    sizes = arithmetic.sizes(layouts)
+    flat = copy_in.splice(
+        lambda *grads: arithmetic.reduce_input(
+            grads, first.world_size, sizes, dtype, copy_in=REDUCE_COPY_IN
+        ),
+        [c.grad for c in calls],
+    )
     if first.world_size == 1:  # replicated, not sharded (a mesh of N x 1): all-reduce
         collective = _factory(graph, ROLE_REPLICA_ALL_REDUCE, index, members)(
             ALL_REDUCE, flat, "sum", first.replicate_group
@@ -175,10 +182,15 @@ def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> li
 def _emit_copy_out(graph: fx.Graph, members: list[fx.Node], reduced: fx.Node) -> list[fx.Node]:
     """Per member: this rank's slice of the reduced bucket, divided by the ranks it summed."""
     calls = [ReduceGradCall.of(m) for m in members]
-    layouts = [c.args.layout for c in calls]
+    sizes = arithmetic.sizes([c.args.layout for c in calls])
     shapes = [list(c.shard_shape) for c in calls]
-    dtypes = [c.shard_dtype for c in calls]
-    replicas = calls[0].args.replicate_size
+    divisor = calls[0].args.world_size * calls[0].args.replicate_size
+    dtype = calls[0].shard_dtype  # one per bucket (``bucketing._reduce_traits``)
+
+    def copy_out(r):
+        flats = REDUCE_COPY_OUT(r, sizes, [math.prod(s) for s in shapes], divisor, dtype)
+        return [x.view(shape) for x, shape in zip(flats, shapes)]
+
     return _factory(graph, ROLE_REDUCE_COPY_OUT, reduced.meta[BUCKET], members).splice(
-        lambda r: arithmetic.reduce_copy_out(r, layouts, shapes, dtypes, replicas), [reduced]
+        copy_out, [reduced]
     )

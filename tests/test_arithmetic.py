@@ -1,0 +1,119 @@
+"""The copy-in / copy-out arithmetic around the collectives, on real tensors, against the layout's
+definition (``torch.chunk`` shards, a simulated all-gather and reduce-scatter): uneven row counts,
+empty shards, several parameters per bucket, casts. No process group is needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero3_compile  # noqa: F401  (registers the zero3:: ops)
+from zero3_compile import arithmetic
+from zero3_compile.layout import ShardLayout
+
+SHAPES = [(10, 6), (3,), (5, 2, 3), (4, 4), (1, 7)]  # uneven rows, fewer rows than ranks
+
+
+def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    chunks = torch.chunk(full, world)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def _ints(shape, dtype=torch.float32):
+    """Integer values: sums over ranks are exact, so the expected values need no tolerance."""
+    return torch.randint(-50, 50, shape).to(dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("graph_ops", [False, True], ids=["eager", "graph-ops"])
+def test_gather_round_trip_gives_every_full_parameter(world, dtype, graph_ops):
+    torch.manual_seed(world)
+    fulls = [torch.randn(shape) for shape in SHAPES]
+    layouts = [ShardLayout(tuple(shape), world) for shape in SHAPES]
+    sizes = arithmetic.sizes(layouts)
+    ops = torch.ops.zero3
+    flats = []
+    for rank in range(world):
+        shards = [_shard(full, world, rank) for full in fulls]
+        if graph_ops:
+            flat = arithmetic.gather_input(shards, sizes, dtype, copy_in=ops.gather_copy_in)
+        else:
+            flat = arithmetic.gather_input(shards, sizes, dtype)
+        assert flat.shape == (sum(sizes),) and flat.dtype == dtype
+        offset = 0  # padding is zeros, never stale memory
+        for shard, size in zip(shards, sizes):
+            assert not flat[offset + shard.numel() : offset + size].any()
+            offset += size
+        flats.append(flat)
+    gathered = torch.cat(flats)  # what all_gather_into_tensor returns on every rank
+    if graph_ops:
+        out = arithmetic.gather_copy_out(gathered, layouts, copy_parts=ops.gather_copy_out)
+    else:
+        out = arithmetic.gather_copy_out(gathered, layouts)
+    for got, full in zip(out, fulls):
+        assert got.shape == full.shape
+        assert torch.equal(got, full.to(dtype))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_lone_shard_or_gradient_needing_no_copy_is_used_as_it_is(world):
+    layout = ShardLayout((4 * world, 3), world)  # no padding
+    shard = torch.randn(4, 3)
+    flat = arithmetic.gather_input([shard], arithmetic.sizes([layout]), torch.float32)
+    assert flat.data_ptr() == shard.data_ptr()
+    (full,) = arithmetic.gather_copy_out(torch.cat([flat] * world), [layout])
+    assert full.shape == (4 * world, 3)
+    grad = torch.randn(4 * world, 3)
+    flat = arithmetic.reduce_input([grad], world, arithmetic.sizes([layout]), torch.float32)
+    assert flat.data_ptr() == grad.data_ptr()
+    cast = arithmetic.reduce_input([grad], world, arithmetic.sizes([layout]), torch.bfloat16)
+    assert cast.data_ptr() != grad.data_ptr() and torch.equal(cast, grad.reshape(-1).bfloat16())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(
+    "grad_dtype,reduce_dtype,shard_dtype",
+    [
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),  # reduce in fp32 (mixed precision)
+        (torch.bfloat16, torch.bfloat16, torch.float32),  # bf16 on the wire, fp32 shards
+    ],
+)
+@pytest.mark.parametrize("graph_ops", [False, True], ids=["eager", "graph-ops"])
+def test_reduce_round_trip_gives_each_rank_the_mean_of_its_shard(
+    world, grad_dtype, reduce_dtype, shard_dtype, graph_ops
+):
+    torch.manual_seed(world)
+    layouts = [ShardLayout(tuple(shape), world) for shape in SHAPES]
+    sizes = arithmetic.sizes(layouts)
+    grads = [[_ints(shape, grad_dtype) for shape in SHAPES] for _ in range(world)]  # [rank][i]
+    ops = torch.ops.zero3
+    inputs = []
+    for rank in range(world):
+        if graph_ops:
+            flat = arithmetic.reduce_input(
+                grads[rank], world, sizes, reduce_dtype, copy_in=ops.reduce_copy_in
+            )
+        else:
+            flat = arithmetic.reduce_input(grads[rank], world, sizes, reduce_dtype)
+        assert flat.shape == (world * sum(sizes),) and flat.dtype == reduce_dtype
+        inputs.append(flat.view(world, -1))
+    for rank in range(world):
+        reduced = sum(inp[rank] for inp in inputs)  # reduce_scatter_tensor(op="sum")
+        expected = [
+            _shard(sum(grads[q][i].to(reduce_dtype) for q in range(world)) / world, world, rank)
+            for i in range(len(SHAPES))
+        ]
+        numels = [e.numel() for e in expected]
+        if graph_ops:
+            out = ops.reduce_copy_out(reduced, sizes, numels, world, shard_dtype)
+        else:
+            out = arithmetic.reduce_copy_out(
+                reduced, sizes, numels, world, [shard_dtype] * len(sizes)
+            )
+        for got, want in zip(out, expected):
+            assert got.dtype == shard_dtype and got.shape == (want.numel(),)
+            assert torch.equal(got, want.reshape(-1).to(shard_dtype))
