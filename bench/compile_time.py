@@ -7,7 +7,8 @@ For each contender and model: a cold start (an empty Inductor / AOTAutograd cach
 then a restart with the same cache directory (what a preempted job pays when it comes back).
 Compile seconds = the first step minus the median of the following ones, slowest rank. For
 zero3, the cold compile's breakdown by phase (ours, the partitioner, Inductor on the scheduled
-graphs) on rank 0.
+graphs) on rank 0. C++ kernels: the distinct kernels Inductor generated for the cold start (on
+CPU each one is a compiler run).
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def measure(contender: str, model: str, world: int, out: str, threads: int) -> d
             cache_dir=cache,
             log_name=f"{contender}-{model}-warm",
         )
+        kernels = _generated_kernels(cache)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     row = {
+        "kernels": kernels,
         "cold_s": cold["compile_s"]["max"] if cold.get("status") == "ok" else None,
         "warm_s": warm["compile_s"]["max"] if warm.get("status") == "ok" else None,
         "step_s": cold["step_s"]["max_median"] if cold.get("status") == "ok" else None,
@@ -71,6 +74,12 @@ def measure(contender: str, model: str, world: int, out: str, threads: int) -> d
         row["breakdown"] = cold["ranks"][0].get("zero3_compile_s", {})
         row["warm_breakdown"] = warm["ranks"][0].get("zero3_compile_s", {})
     return row
+
+
+def _generated_kernels(cache: str) -> int:
+    """Distinct C++ kernels Inductor generated (and compiled, one compiler run each on CPU) for
+    the job: the ``.cpp`` sources in its cache directory, shared by the ranks."""
+    return sum(name.endswith(".cpp") for _, _, names in os.walk(cache) for name in names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.world} CPU ranks, gloo, torch {torch.__version__}, compile seconds (slowest rank)\n"
     )
     print(
-        "| model | contender | cold s | warm restart s | cold vs DDP compiled | warm vs DDP compiled |"
+        "| model | contender | cold s | warm restart s | cold vs DDP compiled | warm vs DDP compiled "
+        "| C++ kernels |"
     )
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         ddp = results[(model, "ddp-compiled")]
         for contender in CONTENDERS:
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| {model} | {contender} | {cold if cold is None else f'{cold:.1f}'} | "
                 f"{warm if warm is None else f'{warm:.1f}'} | {ratio(cold, ddp['cold_s'])} | "
-                f"{ratio(warm, ddp['warm_s'])} |"
+                f"{ratio(warm, ddp['warm_s'])} | {row['kernels']} |"
             )
     for model in args.models.split(","):
         row = results[(model, "zero3")]
