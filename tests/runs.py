@@ -31,6 +31,7 @@ EAGER_JOBS = {
             ("gpt", "sgd", {**EAGER, **combo}, f"option{i}", {})
             for i, combo in enumerate(OPTION_COMBOS)
         ],
+        ("gpt", "sgd", {**EAGER, "fused_copies": True}, "fused", {}),
     ],
     3: [
         ("gpt", "sgd", EAGER, "c", {}),
@@ -50,7 +51,11 @@ INDUCTOR_JOBS = {
         ("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[1]}, "option1", {"check_inference": True}),
     ],
     # uneven shards (17, 13, 5 rows over 3 ranks) and about one parameter per collective
-    3: [("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[2]}, "option2", {})],
+    # and the copy-in/copy-out spliced as ATen ops, for Inductor to fuse
+    3: [
+        ("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[2]}, "option2", {}),
+        ("mlp", "sgd", {**INDUCTOR, **OPTION_COMBOS[1], "fused_copies": True}, "fused", {}),
+    ],
 }
 
 

@@ -219,6 +219,24 @@ def test_lower_bucket_gathers_once_and_copies_out_each_parameter():
     verify(gm, plan(), lowered=True)
 
 
+def test_fused_copies_splice_the_arithmetic_as_aten_ops():
+    gm = layers_graph(n_layers=1)
+    run(gm, plan(fused_copies=True), assign_buckets, lower_gathers)
+    (ag,) = calls(gm, ALL_GATHER)
+    assert not calls(gm, GATHER_COPY_IN) and not calls(gm, GATHER_COPY_OUT)
+    assert ag.args[0].target is aten.cat.default  # for Inductor to fuse
+    clones = calls(gm, aten.clone.default)
+    assert sorted(tuple(c.meta["val"].shape) for c in clones) == [(WORLD, 2), (WORLD, 16)]
+    verify(gm, plan(fused_copies=True), lowered=True)
+    gm = backward_graph(n_layers=1)
+    run(gm, plan("backward", fused_copies=True), assign_buckets, lower_reductions)
+    (rs,) = calls(gm, REDUCE_SCATTER)
+    assert not calls(gm, REDUCE_COPY_IN) and not calls(gm, REDUCE_COPY_OUT)
+    (cat,) = calls(gm, aten.cat.default)
+    assert cat.args[1] == 1 and cat.meta["val"].shape == (WORLD, 18)  # (world, bucket_numel)
+    assert len(calls(gm, aten.div.Tensor)) == 2  # the mean, per member
+
+
 def test_lower_casts_shards_before_the_gather():
     def fn(x, shard):
         return x @ gather(shard, (8, 8), "w", dtype=torch.bfloat16).t()

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .layout import ShardLayout
 
@@ -60,15 +61,14 @@ def gather_copy_in(
     shards: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """The flat input of a bucket's all-gather: each shard cast, flattened and padded to its
-    ``size`` (``ShardLayout.padded_numel``), in one buffer."""
-    flat = shards[0].new_empty(sum(sizes), dtype=dtype)
-    offset = 0
-    for shard, size in zip(shards, sizes):
-        numel = shard.numel()
-        flat.narrow(0, offset, numel).copy_(shard.reshape(-1))  # copy_ casts
-        flat.narrow(0, offset + numel, size - numel).zero_()
-        offset += size
-    return flat  # (bucket_numel,)
+    ``size`` (``ShardLayout.padded_numel``), concatenated."""
+    flats = [_padded(cast(shard, dtype).reshape(-1), size) for shard, size in zip(shards, sizes)]
+    return torch.cat(flats)  # (bucket_numel,)
+
+
+def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    pad = numel - flat.numel()
+    return F.pad(flat, (0, pad)) if pad else flat
 
 
 def gather_input(
@@ -91,8 +91,11 @@ def gather_copy_out_parts(
 ) -> list[torch.Tensor]:
     """Each parameter's part of a gathered bucket of several, copied out: ``(N, size)``, every
     rank's padded shard of it (``gathered_rows`` views it as the parameter)."""
-    parts = [gathered.new_empty((world, size)) for size in sizes]
-    torch.split_with_sizes_copy(gathered.view(world, sum(sizes)), list(sizes), dim=1, out=parts)
+    per_rank = gathered.view(world, sum(sizes))
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(per_rank.narrow(1, offset, size).clone(memory_format=torch.contiguous_format))
+        offset += size
     return parts
 
 
@@ -125,22 +128,11 @@ def reduce_copy_in(
 ) -> torch.Tensor:
     """The flat input of a bucket's reduce-scatter, rank-major: rank r's part of every gradient
     of the bucket comes before rank r + 1's; each gradient cast, and padded to ``world * size``."""
-    flat = grads[0].new_empty((world, sum(sizes)), dtype=dtype)
-    offset = 0
-    for grad, size in zip(grads, sizes):
-        dst = flat.narrow(1, offset, size)  # (N, size): row r is rank r's part
-        offset += size
-        if size == 0:
-            continue
-        src = grad.reshape(-1)
-        whole = src.numel() // size  # ranks whose part is all gradient, no padding
-        dst.narrow(0, 0, whole).copy_(src.narrow(0, 0, whole * size).view(whole, size))
-        if whole < world:
-            rest = src.numel() - whole * size
-            dst[whole].narrow(0, 0, rest).copy_(src.narrow(0, whole * size, rest))
-            dst[whole].narrow(0, rest, size - rest).zero_()
-            dst.narrow(0, whole + 1, world - whole - 1).zero_()
-    return flat.view(-1)  # (N * bucket_numel,)
+    pieces = [
+        _padded(cast(grad, dtype).reshape(-1), world * size).view(world, size)
+        for grad, size in zip(grads, sizes)
+    ]
+    return torch.cat(pieces, 1).view(-1)  # (N, bucket_numel) -> (N * bucket_numel,)
 
 
 def reduce_input(

@@ -30,6 +30,11 @@ class Options:
         the all-gather being prepared their shards' reads are issued (0: right before it).
     reshard_after_forward: False keeps the parameters gathered in forward alive for backward
         (ZeRO-2-like: more memory, one all-gather less per step).
+    fused_copies: True splices the collectives' copy-in/copy-out into the graphs as ATen ops,
+        which Inductor fuses into kernels specialised to each bucket's sizes: faster steps
+        (about 6% on a 25M-parameter GPT on 2 CPU ranks), slower cold compiles (about 1.8x;
+        on CPU each kernel is a compiler run). False (default): four fixed operations
+        (``zero3::gather_copy_in`` and the others) that Inductor calls as they are.
     sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
         compiled graph runs, before raising an error naming the missing ranks instead of
         hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
@@ -50,6 +55,7 @@ class Options:
     reduce_scatter_depth: int = 1
     reload_depth: int = 1
     reshard_after_forward: bool = True
+    fused_copies: bool = False
     sync_timeout_s: float | None = None
     verify: bool = True
     dump_dir: str | None = None
@@ -120,6 +126,8 @@ class Options:
             )
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("zero3: option reshard_after_forward must be True or False")
+        if not isinstance(self.fused_copies, bool):
+            raise ValueError("zero3: option fused_copies must be True or False")
         budget = self.memory_budget_mb
         if (
             budget is not None

@@ -85,7 +85,7 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         order = node_order(graph)
         first_use = min((u for m in members for u in m.users), key=order.__getitem__)
         with graph.inserting_before(first_use):
-            fulls = _emit_bucket(graph, index, members)
+            fulls = _emit_bucket(graph, index, members, ctx.options.fused_copies)
         for marker, full in zip(members, fulls):
             marker.replace_all_uses_with(full)
             graph.erase_node(marker)
@@ -154,7 +154,7 @@ def _reloaded(factory, call: UnshardCall) -> fx.Node:
     return value
 
 
-def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
+def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node], fused: bool) -> list[fx.Node]:
     calls = [UnshardCall.of(m) for m in members]
     args = [c.args for c in calls]
     names = tuple(a.fqn for a in args)
@@ -174,12 +174,14 @@ def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx
     layouts = [a.layout for a in args]
     shards = [_reloaded(factory, c) if c.args.offloaded else c.shard for c in calls]
     sizes = arithmetic.sizes(layouts)
+    copy_in = arithmetic.gather_copy_in if fused else GATHER_COPY_IN
+    copy_parts = arithmetic.gather_copy_out_parts if fused else GATHER_COPY_OUT
     flat = factory(ROLE_GATHER_COPY_IN).splice(
-        lambda *s: arithmetic.gather_input(s, sizes, dtype, copy_in=GATHER_COPY_IN), shards
+        lambda *s: arithmetic.gather_input(s, sizes, dtype, copy_in=copy_in), shards
     )
     world, group = args[0].world_size, args[0].group_name
     gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, group)
     waited = factory(ROLE_GATHER_WAIT)(WAIT, gathered)  # (world * bucket_numel,)
     return factory(ROLE_GATHER_COPY_OUT).splice(
-        lambda g: arithmetic.gather_copy_out(g, layouts, copy_parts=GATHER_COPY_OUT), [waited]
+        lambda g: arithmetic.gather_copy_out(g, layouts, copy_parts=copy_parts), [waited]
     )

@@ -69,6 +69,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     ```
     """
     graph = gm.graph
+    fused = ctx.options.fused_copies
     buckets: dict[int, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is REDUCE_GRAD:
@@ -90,7 +91,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         last_grad = max((ReduceGradCall.of(m).grad for m in members), key=order.__getitem__)
         with graph.inserting_before(last_grad.next):
-            first_issue, scattered = _emit_issue(graph, index, members)
+            first_issue, scattered = _emit_issue(graph, index, members, fused)
         issued.append((members, first_issue, scattered))
 
     depth = ctx.options.reduce_scatter_depth
@@ -110,14 +111,14 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
                 )
                 across_replicas.append((j, members, summed))
                 continue
-            shards = _emit_copy_out(graph, members, waited)
+            shards = _emit_copy_out(graph, members, waited, fused)
         _replace(members, shards, graph)
     for j, members, summed in across_replicas:
         later = j + depth + 1
         anchor = issued[later][1] if later < len(issued) else out
         with graph.inserting_before(anchor):
             waited = _factory(graph, ROLE_REPLICA_WAIT, summed.meta[BUCKET], members)(WAIT, summed)
-            shards = _emit_copy_out(graph, members, waited)
+            shards = _emit_copy_out(graph, members, waited, fused)
         _replace(members, shards, graph)
     graph.lint()
 
@@ -139,7 +140,9 @@ def _dtype(call: ReduceGradCall):
     return call.args.reduce_dtype or call.grad.meta["val"].dtype
 
 
-def _emit_issue(graph: fx.Graph, index: int, members: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+def _emit_issue(
+    graph: fx.Graph, index: int, members: list[fx.Node], fused: bool
+) -> tuple[fx.Node, fx.Node]:
     """Copy-in and reduce-scatter; returns (first node emitted, the reduce-scatter)."""
     calls = [ReduceGradCall.of(m) for m in members]
     layouts = [c.args.layout for c in calls]
@@ -149,7 +152,11 @@ def _emit_issue(graph: fx.Graph, index: int, members: list[fx.Node]) -> tuple[fx
     sizes = arithmetic.sizes(layouts)
     flat = copy_in.splice(
         lambda *grads: arithmetic.reduce_input(
-            grads, first.world_size, sizes, dtype, copy_in=REDUCE_COPY_IN
+            grads,
+            first.world_size,
+            sizes,
+            dtype,
+            copy_in=arithmetic.reduce_copy_in if fused else REDUCE_COPY_IN,
         ),
         [c.grad for c in calls],
     )
@@ -179,7 +186,9 @@ def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> li
     return shards
 
 
-def _emit_copy_out(graph: fx.Graph, members: list[fx.Node], reduced: fx.Node) -> list[fx.Node]:
+def _emit_copy_out(
+    graph: fx.Graph, members: list[fx.Node], reduced: fx.Node, fused: bool
+) -> list[fx.Node]:
     """Per member: this rank's slice of the reduced bucket, divided by the ranks it summed."""
     calls = [ReduceGradCall.of(m) for m in members]
     sizes = arithmetic.sizes([c.args.layout for c in calls])
@@ -188,7 +197,11 @@ def _emit_copy_out(graph: fx.Graph, members: list[fx.Node], reduced: fx.Node) ->
     dtype = calls[0].shard_dtype  # one per bucket (``bucketing._reduce_traits``)
 
     def copy_out(r):
-        flats = REDUCE_COPY_OUT(r, sizes, [math.prod(s) for s in shapes], divisor, dtype)
+        numels = [math.prod(s) for s in shapes]
+        if fused:
+            flats = arithmetic.reduce_copy_out(r, sizes, numels, divisor, [dtype] * len(sizes))
+        else:
+            flats = REDUCE_COPY_OUT(r, sizes, numels, divisor, dtype)
         return [x.view(shape) for x, shape in zip(flats, shapes)]
 
     return _factory(graph, ROLE_REDUCE_COPY_OUT, reduced.meta[BUCKET], members).splice(
