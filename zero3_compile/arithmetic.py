@@ -1,18 +1,20 @@
 """The arithmetic around every collective, written once as plain tensor functions.
 
 The eager operations (``ops.py``) call these functions on real tensors around a real collective.
-In the scheduled graphs, copy-in and copy-out are four fixed operations (``zero3::gather_copy_in``
-and the others, ``ops.py``) whose bodies are these same functions: Inductor calls them as they
-are instead of generating a kernel per bucket shape, which on CPU is a C++ compile each (half of
-the kernels of a sharded GPT's graphs, compiled again for every bucket size). So padding,
-casting, flattening, the bucket layout and the division by N exist in one place. See
+In the scheduled graphs, copy-in and copy-out are by default four fixed operations
+(``zero3::gather_copy_in`` and the others, ``ops.py``) whose bodies are these same functions:
+Inductor calls them as they are instead of generating a kernel per bucket shape, which on CPU is
+a C++ compile each (half of the kernels of a sharded GPT's graphs, compiled again for every
+bucket size). With ``options={"fused_copies": True}`` the passes trace these same functions into
+the graphs instead (``graph_utils.splice``), for Inductor to fuse. So padding, casting,
+flattening, the bucket layout and the division by N exist in one place. See
 [Note: zero3 tensors] in ``param.py`` for the vocabulary.
 
 All-gather of a bucket of k parameters over N ranks (``size_i``: ``padded_numel``)::
 
     copy-in:   flat = [pad(flatten(cast(shard_i)), size_i) for each i]   # (bucket_numel,)
     collective: gathered = all_gather(flat)                               # (N * bucket_numel,)
-    copy-out:  part_i = split_with_sizes_copy(gathered.view(N, -1), sizes, dim=1)[i]
+    copy-out:  part_i = clone(gathered.view(N, -1)[:, o_i : o_i + size_i])   # (N, size_i)
                full_i = part_i.view(N * rows_per_rank, ...)[:dim0]       # a view
 
 Reduce-scatter of a bucket of gradients::
