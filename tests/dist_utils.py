@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
@@ -30,6 +31,9 @@ def _worker(fn, rank: int, world_size: int, port: int, results, args, env) -> No
         **{"TORCHINDUCTOR_COMPILE_THREADS": "1", **env},
     )
     status, payload = "ok", None
+    # a rank killed by a signal (an abort on heap corruption, a segfault) prints every thread's
+    # Python stack to stderr, which pytest shows with the failure
+    faulthandler.enable(all_threads=True)
     try:
         import torch
         import torch.distributed as dist
