@@ -7,7 +7,7 @@ Two sources:
   DeepSpeed, functional collectives) goes through these dispatcher operators, so this works
   for every contender. Nested ``c10d::`` events are counted once (the outermost).
 * ``from_graphs``: the collectives zero3 compiled into its forward and backward graphs
-  (``zero3_compile.signature.collective_signature``).
+  (``zero3_compile.compiler.signature.collective_signature``).
 
 Bytes are logical: the full tensor of the operation (an all-gather's gathered output, a
 reduce-scatter's unreduced input, an all-reduce's tensor). gloo has no native reduce-scatter and
@@ -76,7 +76,7 @@ def from_profile(prof: torch.profiler.profile) -> list[tuple[str, int]]:
 
 def from_graphs(records: Iterable) -> list[tuple[str, int]]:
     """(kind, logical bytes) of the collectives in zero3's compiled forward/backward graphs."""
-    from zero3_compile.signature import collective_signature
+    from zero3_compile.compiler.signature import collective_signature
 
     found = []
     for record in records:

@@ -47,7 +47,7 @@ def _rss_anon() -> int:
 
 
 def _stores(model, opt) -> list:
-    from zero3_compile.param import state_of
+    from zero3_compile.sharding.state import state_of
 
     stores = {}
     for p in model.parameters():

@@ -75,7 +75,7 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
 
     records_cm: Any = contextlib.nullcontext(None)
     if contender.comm_source == "graphs" and spec.record_graphs:
-        from zero3_compile.recording import record_graphs
+        from zero3_compile.compiler.recording import record_graphs
 
         records_cm = record_graphs()
     # torch.compile(backend="inductor") imports Inductor when it is called, a custom backend at
@@ -93,7 +93,7 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
         result["budget_plans"] = [r.budget.to_dict() for r in records if r.budget is not None]
         result["n_graphs"] = {k: sum(r.kind == k for r in records) for k in ("forward", "backward")}
     if spec.contender.startswith("zero3"):
-        from zero3_compile.recording import compile_stats
+        from zero3_compile.compiler.recording import compile_stats
 
         result["zero3_compile_s"] = compile_stats()
     return {**info, **result, "rank": rank, "torch": torch.__version__, "threads": spec.threads}

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import zero3_compile as z3  # noqa: E402
 from tests.models import GPT, GPTConfig  # noqa: E402
-from zero3_compile.recording import record_graphs  # noqa: E402
-from zero3_compile.signature import collective_signature  # noqa: E402
+from zero3_compile.compiler.recording import record_graphs  # noqa: E402
+from zero3_compile.compiler.signature import collective_signature  # noqa: E402
 
 
 def local_bytes(tensors) -> int:

@@ -79,8 +79,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import zero3_compile as z3  # noqa: E402
 from tests.models import GPT, GPTConfig  # noqa: E402
-from zero3_compile.checkpoint import CheckpointCorruptError, load_rank_state  # noqa: E402
-from zero3_compile.guard import roll_call  # noqa: E402
+from zero3_compile.io.checkpoint import CheckpointCorruptError, load_rank_state  # noqa: E402
+from zero3_compile.runtime.guard import roll_call  # noqa: E402
 
 ROLL_CALL_S = 3.0
 SIZES = {

@@ -46,14 +46,14 @@ def install(fault: str, at: int, death_file: str) -> None:
             die(death_file)
 
     if fault in ("forward", "backward"):
-        import zero3_compile.guard as guard
-        import zero3_compile.runtime as runtime
+        import zero3_compile.runtime.gate as runtime
+        import zero3_compile.runtime.guard as guard
 
         kind = guard.KIND_FORWARD if fault == "forward" else guard.KIND_BACKWARD
         original = runtime.run_graph_guard
 
-        def run_graph_guard(group_name, graph_kind, *args):
-            original(group_name, graph_kind, *args)
+        def run_graph_guard(group_name, replicate_group, graph_kind, *args):
+            original(group_name, replicate_group, graph_kind, *args)
             if graph_kind == kind:
                 occurrence()
 
@@ -73,7 +73,7 @@ def install(fault: str, at: int, death_file: str) -> None:
 
         FileSystemWriter.write_data = write_data
     elif fault == "compile":
-        import zero3_compile.backend as backend
+        import zero3_compile.compiler.backend as backend
 
         original_pipeline = backend.run_pipeline
 

@@ -6,8 +6,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zero3_compile.node_keys import BUCKET
-from zero3_compile.param import ReduceGradCall, UnshardCall
+from zero3_compile.compiler.markers import ReduceGradCall, UnshardCall
+from zero3_compile.compiler.node_keys import BUCKET
 
 _POLICY = {
     CheckpointPolicy.MUST_RECOMPUTE: "recompute",
@@ -38,12 +38,12 @@ def _arg(value) -> str:
 def _args(node: fx.Node) -> str:
     if node.target.__class__.__name__ == "OpOverload" and _op(node) == "unshard":
         call = UnshardCall.of(node)
-        return f"{_arg(call.shard)}, {call.args.fqn!r}"
+        return f"{_arg(call.shard)}, {call.spec.fqn!r}"
     if _op(node) == "reduce_grad":
         call = ReduceGradCall.of(node)
-        return f"{_arg(call.grad)}, {call.args.fqn!r}"
+        return f"{_arg(call.grad)}, {call.spec.fqn!r}"
     if _op(node) == "guard":
-        return f"{node.args[0]!r}, kind={node.args[1]}"
+        return f"{node.args[0]!r}, kind={node.args[2]}"
     parts = [_arg(a) for a in node.args]
     parts += [f"{k}={_arg(v)}" for k, v in node.kwargs.items() if k != "memory_format"]
     return ", ".join(parts)

@@ -7,10 +7,10 @@ import re
 import torch.fx as fx
 
 from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER
-from zero3_compile.graph_facts import param_derived
-from zero3_compile.node_keys import PARAMS
-from zero3_compile.recording import GraphRecord
-from zero3_compile.signature import generated_events, scheduled_events
+from zero3_compile.compiler.graph_facts import param_derived
+from zero3_compile.compiler.node_keys import PARAMS
+from zero3_compile.compiler.recording import GraphRecord
+from zero3_compile.compiler.signature import generated_events, scheduled_events
 
 
 def saved_gathered_parameters(record: GraphRecord) -> list[str]:

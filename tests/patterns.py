@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import zero3_compile as z3
-import zero3_compile.param  # noqa: F401  (state_of, module_state)
+from zero3_compile.sharding.state import module_state, state_of
 
 from .models import GPT, GPTConfig, gpt_batch
 
@@ -486,8 +486,8 @@ def assigned_after_shard(rank, world, codegen):
     _grow(model)
     _grow(reference)
     sharded = {
-        "scale": z3.param.state_of(model.body[1]._parameters["scale"]) is not None,
-        "head": z3.param.state_of(model.head._parameters["weight"]) is not None,
+        "scale": state_of(model.body[1]._parameters["scale"]) is not None,
+        "head": state_of(model.head._parameters["weight"]) is not None,
         "tied": model.head._parameters["weight"] is model.embed._parameters["weight"],
     }
     step = compiled(model, codegen)
@@ -535,7 +535,7 @@ def recurrent(rank, world, codegen, cell):
         sgd,
     )
     # full-size weights the module keeps between steps (its own attributes, not the shards)
-    full_sizes = {tuple(s.full_shape) for s in z3.param.module_state(model.rnn).params.values()}
+    full_sizes = {tuple(s.full_shape) for s in module_state(model.rnn).params.values()}
     out["kept_full_weights"] = [
         key
         for key, value in vars(model.rnn).items()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import zero3_compile as z3
-from zero3_compile.param import state_of
-from zero3_compile.recording import record_graphs
+from zero3_compile.compiler.recording import record_graphs
+from zero3_compile.sharding.state import state_of
 
 from .dist_utils import run_scenarios
 from .graph_checks import collective_counts

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
-from zero3_compile import arithmetic
-from zero3_compile.layout import ShardLayout
+from zero3_compile.collectives import arithmetic
+from zero3_compile.sharding.spec import spec_of_shape
 
 SHAPES = [(10, 6), (3,), (5, 2, 3), (4, 4), (1, 7)]  # uneven rows, fewer rows than ranks
 
@@ -32,7 +32,7 @@ def _ints(shape, dtype=torch.float32):
 def test_gather_round_trip_gives_every_full_parameter(world, dtype, graph_ops):
     torch.manual_seed(world)
     fulls = [torch.randn(shape) for shape in SHAPES]
-    layouts = [ShardLayout(tuple(shape), world) for shape in SHAPES]
+    layouts = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
     sizes = arithmetic.sizes(layouts)
     ops = torch.ops.zero3
     flats = []
@@ -60,7 +60,7 @@ def test_gather_round_trip_gives_every_full_parameter(world, dtype, graph_ops):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_lone_shard_or_gradient_needing_no_copy_is_used_as_it_is(world):
-    layout = ShardLayout((4 * world, 3), world)  # no padding
+    layout = spec_of_shape((4 * world, 3), world)  # no padding
     shard = torch.randn(4, 3)
     flat = arithmetic.gather_input([shard], arithmetic.sizes([layout]), torch.float32)
     assert flat.data_ptr() == shard.data_ptr()
@@ -87,7 +87,7 @@ def test_reduce_round_trip_gives_each_rank_the_mean_of_its_shard(
     world, grad_dtype, reduce_dtype, shard_dtype, graph_ops
 ):
     torch.manual_seed(world)
-    layouts = [ShardLayout(tuple(shape), world) for shape in SHAPES]
+    layouts = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
     sizes = arithmetic.sizes(layouts)
     grads = [[_ints(shape, grad_dtype) for shape in SHAPES] for _ in range(world)]  # [rank][i]
     ops = torch.ops.zero3

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import zero3_compile as z3
 from zero3_compile.compat import ALL_GATHER
+from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.inspect import measure_peak_bytes
-from zero3_compile.recording import record_graphs
 
 from .dist_utils import run_ranks
 from .graph_checks import collective_counts

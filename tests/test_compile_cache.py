@@ -14,7 +14,7 @@ from torch import nn
 
 import zero3_compile as z3
 from zero3_compile.compat import aot_cache_hits_across_processes
-from zero3_compile.guard import CollectiveMismatchError
+from zero3_compile.runtime.guard import CollectiveMismatchError
 
 from .dist_utils import run_ranks
 from .models import FrozenMLP, mlp_batch, mlp_loss

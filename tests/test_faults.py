@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 import zero3_compile as z3
-from zero3_compile import checkpoint as ckpt
-from zero3_compile.checkpoint import CheckpointCorruptError
+from zero3_compile.io import checkpoint as ckpt
+from zero3_compile.io.checkpoint import CheckpointCorruptError
 
 from .dist_utils import free_port, run_ranks
 from .models import GPT, gpt_batch, gpt_loss

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero3_compile as z3
-from zero3_compile.guard import CollectiveMismatchError
+from zero3_compile.runtime.guard import CollectiveMismatchError
 
 from .dist_utils import run_ranks
 

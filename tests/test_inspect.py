@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zero3_compile as z3
+from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.inspect import ExplainReport, build_report, measure_peak_bytes
-from zero3_compile.recording import record_graphs
 
 from .dist_utils import run_ranks
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss

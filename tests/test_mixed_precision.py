@@ -10,8 +10,8 @@ import torch
 from torch.func import functional_call
 
 import zero3_compile as z3
-from zero3_compile.recording import record_graphs
-from zero3_compile.signature import collective_signature
+from zero3_compile.compiler.recording import record_graphs
+from zero3_compile.compiler.signature import collective_signature
 
 from .dist_utils import run_scenarios
 from .training import PER_RANK_BATCH, build, rel_diff

@@ -9,7 +9,7 @@ import io
 import torch
 
 import zero3_compile as z3
-from zero3_compile.param import state_of
+from zero3_compile.sharding.state import state_of
 
 from .dist_utils import run_ranks
 from .models import GPT, gpt_batch, gpt_loss

@@ -164,7 +164,7 @@ def failed_step(rank, world):
 
 def poison(rank, world, drop_waits):
     """Offload(poison=True): evicted and in-flight shards hold NaN until waited for."""
-    module = importlib.import_module("zero3_compile.passes.lower_gathers")
+    module = importlib.import_module("zero3_compile.compiler.passes.lower_gathers")
     torch.manual_seed(0)
     model = GPT()
     twin = copy.deepcopy(model)

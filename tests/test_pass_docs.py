@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
-from zero3_compile.passes import (
+from zero3_compile.compiler.passes import (
     assign_buckets,
     dedupe_gathers,
     insert_guard,

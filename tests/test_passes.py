@@ -9,20 +9,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
-from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
-from zero3_compile.context import PassContext, block_of
-from zero3_compile.node_keys import BUCKET, PARAM_DERIVED
-from zero3_compile.ops import (
+from zero3_compile.collectives.copy_ops import (
     GATHER_COPY_IN,
     GATHER_COPY_OUT,
     REDUCE_COPY_IN,
     REDUCE_COPY_OUT,
-    REDUCE_GRAD,
-    UNSHARD,
 )
-from zero3_compile.options import Options
-from zero3_compile.param import MarkerArgs, UnshardCall, marker_tuple
-from zero3_compile.passes import (
+from zero3_compile.collectives.ops import REDUCE_GRAD, UNSHARD
+from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zero3_compile.compiler.context import PassContext, block_of
+from zero3_compile.compiler.markers import UnshardCall
+from zero3_compile.compiler.node_keys import BUCKET, PARAM_DERIVED
+from zero3_compile.compiler.options import Options
+from zero3_compile.compiler.passes import (
     assign_buckets,
     dedupe_gathers,
     lower_gathers,
@@ -31,7 +30,8 @@ from zero3_compile.passes import (
     tag_recompute,
     verify,
 )
-from zero3_compile.passes.verify import ScheduleError
+from zero3_compile.compiler.passes.verify import ScheduleError
+from zero3_compile.sharding.spec import ShardSpec
 
 WORLD = 4
 aten = torch.ops.aten
@@ -48,19 +48,24 @@ def _group() -> str:
 _IDS: dict[str, int] = {}
 
 
-def marker(shape, name, dtype=None) -> MarkerArgs:
-    param_id = _IDS.setdefault(name, len(_IDS) + 1)
-    return MarkerArgs(param_id, tuple(shape), _group(), WORLD, dtype, None, name)
+def spec(shape, name, dtype=None) -> ShardSpec:
+    return ShardSpec(
+        fqn=name, shape=tuple(shape), group=_group(), world_size=WORLD, param_dtype=dtype
+    )
+
+
+def param_id(name: str) -> int:
+    return _IDS.setdefault(name, len(_IDS) + 1)
 
 
 def gather(shard, shape, name, dtype=None):
-    return UNSHARD(shard, *marker_tuple(marker(shape, name, dtype)))
+    return UNSHARD(shard, param_id(name), spec(shape, name, dtype).literal())
 
 
 def reduce(grad, shard_shape, name):
     full_shape = (shard_shape[0] * WORLD, *shard_shape[1:])
     return REDUCE_GRAD(
-        grad, *marker_tuple(marker(full_shape, name)), list(shard_shape), torch.float32
+        grad, param_id(name), spec(full_shape, name).literal(), list(shard_shape), torch.float32
     )
 
 
@@ -155,7 +160,7 @@ def test_block_of_names_the_repeated_block():
 def test_buckets_follow_blocks_and_first_use():
     gm = layers_graph(n_layers=3, root_head=True)
     run(gm, plan(), assign_buckets)
-    buckets = {UnshardCall.of(n).args.fqn: n.meta[BUCKET] for n in calls(gm, UNSHARD)}
+    buckets = {UnshardCall.of(n).spec.fqn: n.meta[BUCKET] for n in calls(gm, UNSHARD)}
     assert buckets == {
         "h.0.fc.weight": 0,
         "h.0.fc.bias": 0,

@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 import zero3_compile as z3
-from zero3_compile.recording import record_graphs
+from zero3_compile.compiler.recording import record_graphs
 
 from .dist_utils import run_scenarios
 from .graph_checks import analyze

@@ -16,7 +16,7 @@ def test_entry_point_finds_the_backend_without_importing_the_package():
         """
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["zero3_compile.backend", "zero3_backend"]
+    assert proc.stdout.split() == ["zero3_compile.compiler.backend", "zero3_backend"]
 
 
 def test_import_registers_the_backend():

@@ -9,8 +9,8 @@ import torch
 
 import zero3_compile as z3
 from zero3_compile.compat import ALL_GATHER, WAIT
-from zero3_compile.graph_facts import gathered_values
-from zero3_compile.recording import record_graphs
+from zero3_compile.compiler.graph_facts import gathered_values
+from zero3_compile.compiler.recording import record_graphs
 
 from .models import GPT, GPTConfig, gpt_batch
 from .runs import results
@@ -52,7 +52,7 @@ def test_bucket_cap_splits_blocks_and_is_never_exceeded(fake_pg):
     """With a cap smaller than a block, every bucket stays within it (unless it holds a single
     larger parameter) and buckets are as full as the cap allows: the next bucket's first
     parameter would not have fitted in the previous one (within a block)."""
-    from zero3_compile.node_keys import BUCKET, PARAMS
+    from zero3_compile.compiler.node_keys import BUCKET, PARAMS
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_embd=32, tie_embeddings=False)

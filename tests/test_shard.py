@@ -153,12 +153,15 @@ def test_sharding_a_model_without_parameters_is_a_no_op(fake_pg):
 
 @pytest.mark.parametrize("shape", [(3,), (7, 5), (1, 2, 3)])
 def test_layout_math_matches_torch_chunk(shape):
-    from zero3_compile.layout import ShardLayout
+    from zero3_compile.sharding.spec import spec_of_shape
 
+    full = torch.randn(shape)
     for world in (1, 2, 3, 4, 8):
-        layout = ShardLayout(shape, world)
-        chunks = torch.chunk(torch.empty(shape), world)
+        spec = spec_of_shape(shape, world)
+        chunks = torch.chunk(full, world)
         for rank in range(world):
-            rows = chunks[rank].shape[0] if rank < len(chunks) else 0
-            assert layout.local_rows(rank) == rows
-        assert layout.padded_numel * world >= layout.full_numel
+            expected = chunks[rank] if rank < len(chunks) else full[:0]
+            assert spec.rows(rank)[1] == expected.shape[0]
+            assert spec.local_shape(rank) == tuple(expected.shape)
+            assert torch.equal(spec.chunk(full, rank), expected)
+        assert spec.padded_numel * world >= spec.full_numel

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import zero3_compile as z3
-from zero3_compile.recording import record_graphs
+from zero3_compile.compiler.recording import record_graphs
 
 from .graph_checks import analyze
 from .models import GPT, FrozenMLP, GraphBreakGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss

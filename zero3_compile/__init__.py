@@ -2,13 +2,25 @@
 
 model = zero3_compile.shard(model)                 # every parameter becomes a 1/N shard
 cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_compile.Options
+
+The public API, nothing else. The layers underneath, each importing only those before it:
+sharding (what a sharded parameter is) -> offload -> runtime (the cross-rank check, a model's
+runtime) -> collectives (schemes, ops) -> compiler (backend, passes) -> frontend (shard, module
+classes) -> io (checkpoints, state dicts); tools (inspection, estimates) and integrations import
+the core, never the reverse.
 """
 
-from . import ops as _ops  # noqa: F401  (registers the zero3:: operators)
-from .accumulation import set_requires_gradient_sync
-from .backend import register as _register
-from .backend import zero3_backend
-from .checkpoint import (
+from .collectives import ops as _ops  # noqa: F401  (registers the zero3:: operators)
+from .compiler.backend import register as _register
+from .compiler.backend import zero3_backend
+from .compiler.options import Options
+from .compiler.recording import record_graphs
+from .frontend.accumulation import set_requires_gradient_sync
+from .frontend.leaves import set_leaf_modules
+from .frontend.mixed_precision import MixedPrecision
+from .frontend.module import Zero3Module
+from .frontend.shard import shard
+from .io.checkpoint import (
     CheckpointCorruptError,
     PeerLostError,
     load_checkpoint,
@@ -16,16 +28,12 @@ from .checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from .estimate import estimate_memory
-from .guard import CollectiveMismatchError
-from .inspect import explain
-from .materialize import materialize
-from .mixed_precision import MixedPrecision
+from .io.materialize import materialize
+from .io.state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
 from .offload import Offload, OffloadError, offload_optimizer
-from .options import Options
-from .recording import record_graphs
-from .shard import set_leaf_modules, shard
-from .state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
+from .runtime.guard import CollectiveMismatchError
+from .tools.estimate import estimate_memory
+from .tools.inspect import explain
 
 _register()
 
@@ -37,6 +45,7 @@ __all__ = [
     "OffloadError",
     "Options",
     "PeerLostError",
+    "Zero3Module",
     "estimate_memory",
     "explain",
     "full_state_dict",

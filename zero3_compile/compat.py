@@ -66,14 +66,34 @@ def all_reduce_sum(flat: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def side_all_gather(out: torch.Tensor, inp: torch.Tensor, group, timeout_s: float) -> None:
-    """Eager all-gather on a (gloo) side group with a bounded wait.
+    """Eager all-gather on a side group (``gloo_side_group``) with a bounded wait.
 
-    2.13 deprecates ``all_gather_into_tensor`` for ``all_gather_single``, which 2.11/2.12 lack.
-    ``Work.wait(timeout)`` raises on gloo once the timeout passes (checked 2.13).
+    The group is a bare gloo backend (not registered with ``torch.distributed``), driven through
+    its own ``_allgather_base`` (2.11-2.14). ``Work.wait(timeout)`` raises on gloo once the
+    timeout passes (checked 2.13, 2.14).
     """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = fn(out, inp, group=group, async_op=True)
-    work.wait(timeout=timedelta(seconds=timeout_s))
+    work = group._allgather_base(out, inp)
+    work.wait(timedelta(seconds=timeout_s))
+
+
+def gloo_side_group(prefix: str, ranks: list[int], timeout_s: float):
+    """A gloo communicator of ``ranks`` (global ranks) that only those ranks create.
+
+    ``dist.new_group`` must be entered by every rank of the job (or, with
+    ``use_local_synchronization``, derives its store keys from how many groups each process made
+    before, which differs between pipeline stages); torch's own debug wrapper builds its helper
+    group the way done here: a ``ProcessGroupGloo`` over a ``PrefixStore`` of the default store,
+    under a prefix the members agree on. Private constructor, stable 2.11-2.14.
+    """
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    store = default_store()
+    if store is None:
+        raise RuntimeError("zero3: the default process group has no store to rendezvous in")
+    me = ranks.index(dist.get_rank())
+    return ProcessGroupGloo(
+        dist.PrefixStore(prefix, store), me, len(ranks), timedelta(seconds=max(timeout_s, 1.0))
+    )
 
 
 def register_wait(tensor: torch.Tensor, on_wait) -> None:

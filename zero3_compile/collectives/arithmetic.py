@@ -1,14 +1,14 @@
 """The arithmetic around every collective, written once as plain tensor functions.
 
-The eager operations (``ops.py``) call these functions on real tensors around a real collective.
-In the scheduled graphs, copy-in and copy-out are by default four fixed operations
-(``zero3::gather_copy_in`` and the others, ``ops.py``) whose bodies are these same functions:
-Inductor calls them as they are instead of generating a kernel per bucket shape, which on CPU is
-a C++ compile each (half of the kernels of a sharded GPT's graphs, compiled again for every
-bucket size). With ``options={"fused_copies": True}`` the passes trace these same functions into
-the graphs instead (``graph_utils.splice``), for Inductor to fuse. So padding, casting,
-flattening, the bucket layout and the division by N exist in one place. See
-[Note: zero3 tensors] in ``param.py`` for the vocabulary.
+The collective schemes (``schemes.py``) call these functions: on real tensors around a real
+collective in the eager operations, and in the scheduled graphs, where copy-in and copy-out are
+by default four fixed operations (``zero3::gather_copy_in`` and the others, ``copy_ops.py``) whose
+bodies are these same functions: Inductor calls them as they are instead of generating a kernel
+per bucket shape, which on CPU is a C++ compile each (half of the kernels of a sharded GPT's
+graphs, compiled again for every bucket size). With ``options={"fused_copies": True}`` the
+schemes trace these same functions into the graphs instead, for Inductor to fuse. So padding,
+casting, flattening, the bucket layout and the division by N exist in one place. See
+[Note: zero3 tensors] in ``sharding/spec.py`` for the vocabulary.
 
 All-gather of a bucket of k parameters over N ranks (``size_i``: ``padded_numel``)::
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .layout import ShardLayout
+from ..sharding.spec import ShardSpec
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,26 +44,26 @@ def gather_dtype(shard_dtype: torch.dtype, param_dtype: torch.dtype | None) -> t
     return param_dtype or shard_dtype
 
 
-def gather_bytes(layouts: Sequence[ShardLayout], dtype: torch.dtype) -> int:
+def gather_bytes(specs: Sequence[ShardSpec], dtype: torch.dtype) -> int:
     """Bytes of a gathered bucket (every rank's padded shards)."""
-    return sum(layout.padded_numel * layout.world_size for layout in layouts) * dtype.itemsize
+    return sum(spec.padded_numel * spec.world_size for spec in specs) * dtype.itemsize
 
 
-def reduce_bytes(layouts: Sequence[ShardLayout], dtype: torch.dtype) -> int:
+def reduce_bytes(specs: Sequence[ShardSpec], dtype: torch.dtype) -> int:
     """Bytes of a reduce-scatter input bucket (full padded gradients)."""
-    return gather_bytes(layouts, dtype)
+    return gather_bytes(specs, dtype)
 
 
-def sizes(layouts: Sequence[ShardLayout]) -> list[int]:
+def sizes(specs: Sequence[ShardSpec]) -> list[int]:
     """Each member's part of a bucket, per rank (its ``padded_numel``)."""
-    return [layout.padded_numel for layout in layouts]
+    return [spec.padded_numel for spec in specs]
 
 
 def gather_copy_in(
     shards: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
     """The flat input of a bucket's all-gather: each shard cast, flattened and padded to its
-    ``size`` (``ShardLayout.padded_numel``), concatenated."""
+    ``size`` (``ShardSpec.padded_numel``), concatenated."""
     flats = [_padded(cast(shard, dtype).reshape(-1), size) for shard, size in zip(shards, sizes)]
     return torch.cat(flats)  # (bucket_numel,)
 
@@ -101,17 +101,17 @@ def gather_copy_out_parts(
     return parts
 
 
-def gathered_rows(part: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+def gathered_rows(part: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The full parameter in one parameter's gathered part (a single-parameter bucket's whole
     buffer, or one of ``gather_copy_out_parts``): its first ``dim0`` rows, a view."""
-    rows = part.view(layout.gathered_shape())
-    if rows.shape[0] == layout.dim0:
+    rows = part.view(spec.gathered_shape())
+    if rows.shape[0] == spec.dim0:
         return rows
-    return rows.narrow(0, 0, layout.dim0)
+    return rows.narrow(0, 0, spec.dim0)
 
 
 def gather_copy_out(
-    gathered: torch.Tensor, layouts: Sequence[ShardLayout], copy_parts=gather_copy_out_parts
+    gathered: torch.Tensor, specs: Sequence[ShardSpec], copy_parts=gather_copy_out_parts
 ) -> list[torch.Tensor]:
     """The full parameters in a gathered bucket ``(N * bucket_numel,)``.
 
@@ -119,10 +119,10 @@ def gather_copy_out(
     several, each one's rows are strided across ranks and are copied out first (``copy_parts``:
     in graphs, the ``zero3::gather_copy_out`` operation, whose body is the default).
     """
-    if len(layouts) == 1:
-        return [gathered_rows(gathered, layouts[0])]
-    parts = copy_parts(gathered, layouts[0].world_size, sizes(layouts))
-    return [gathered_rows(part, layout) for part, layout in zip(parts, layouts)]
+    if len(specs) == 1:
+        return [gathered_rows(gathered, specs[0])]
+    parts = copy_parts(gathered, specs[0].world_size, sizes(specs))
+    return [gathered_rows(part, spec) for part, spec in zip(parts, specs)]
 
 
 def reduce_copy_in(

@@ -1,104 +1,90 @@
 """The operations every sharded parameter goes through.
 
-``zero3::unshard(shard, <marker fields>, grad_sink=None) -> full`` is what reading
-``module.weight`` calls. Its backward is ``zero3::reduce_grad(full_grad, <marker fields>,
-shard_shape, shard_dtype) -> shard_grad``: a reduce-scatter averaged over ranks (data-parallel
-semantics, as DDP and FSDP2).
+``zero3::unshard(shard, param_id, spec, grad_sink=None) -> full`` is what reading
+``module.weight`` calls; ``spec`` is the parameter's ``ShardSpec.literal()`` (see
+[Note: the marker contract] in ``sharding/spec.py``). Its backward is
+``zero3::reduce_grad(full_grad, param_id, spec, shard_shape, shard_dtype) -> shard_grad``: a
+reduce-scatter averaged over ranks (data-parallel semantics, as DDP and FSDP2).
 
 Both are real operations: run eagerly they issue the collective at once (after the cross-rank
-check of ``guard.py``), so a model is correct without the compiler and between graph breaks.
-Under ``torch.compile`` they appear in the traced graph as single nodes; the backend's passes then
-replace them by bucketed functional collectives, spliced in from the same arithmetic
-(``arithmetic.py``). Their fake implementations give the full / shard shape.
+check of ``runtime/guard.py``), through the same collective scheme (``schemes.py``) the lowering
+passes splice into graphs, so a model is correct without the compiler and between graph breaks.
+Under ``torch.compile`` they appear in the traced graph as single nodes (markers); the backend's
+passes replace them by bucketed collectives. Their fake implementations give the full / shard
+shape.
 
-``zero3::guard`` is the cross-rank check a scheduled graph runs before its first collective.
-``unshard_many`` gathers a leaf module's parameters together, eagerly (``set_leaf_modules``).
+``zero3::guard`` is the cross-rank check a scheduled graph runs before its first collective;
+``zero3::reload`` reads an offloaded shard back; ``UnshardMany`` gathers a leaf module's
+parameters together, eagerly (``set_leaf_modules``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from . import arithmetic, guard
-from .compat import (
-    all_gather,
-    all_reduce_sum,
-    mark_side_effect,
-    reduce_scatter_sum,
-    register_wait,
+from ..compat import mark_side_effect, register_wait
+from ..offload.params import readable, reload_async
+from ..runtime import guard
+from ..runtime.root import active_runtime, check_eager
+from ..sharding.spec import ShardSpec
+from .schemes import EAGER, gather_scheme, reduce_scheme, run_gather, run_reduce
+
+
+@torch.library.custom_op(
+    "zero3::unshard",
+    mutates_args=(),
+    schema="(Tensor shard, int param_id, str spec, Tensor? grad_sink=None) -> Tensor",
 )
-from .offload.params import readable, reload_async
-from .param import NUM_MARKER_FIELDS, MarkerArgs, marker_schema, marker_tuple
-
-UNSHARD_SCHEMA = marker_schema("Tensor shard", "Tensor? grad_sink=None", "Tensor")
-REDUCE_GRAD_SCHEMA = marker_schema(
-    "Tensor grad", "SymInt[] shard_shape, ScalarType shard_dtype", "Tensor"
-)
-
-
-def _split(values: Sequence) -> tuple[MarkerArgs, list]:
-    return MarkerArgs.decode(values[:NUM_MARKER_FIELDS]), list(values[NUM_MARKER_FIELDS:])
-
-
-@torch.library.custom_op("zero3::unshard", mutates_args=(), schema=UNSHARD_SCHEMA)
-def unshard(shard: torch.Tensor, *rest) -> torch.Tensor:
+def unshard(
+    shard: torch.Tensor, param_id: int, spec: str, grad_sink: torch.Tensor | None = None
+) -> torch.Tensor:
     """All-gather ``shard`` (this rank's dim-0 chunk) into the full parameter.
 
     The cast to ``param_dtype`` happens on the shard, before the collective, so mixed
-    precision halves the bytes on the wire. ``grad_sink``: see ``accumulation.py``.
+    precision halves the bytes on the wire. ``grad_sink``: see ``frontend/accumulation.py``.
     """
-    args, _ = _split(rest)
-    dtype = arithmetic.gather_dtype(shard.dtype, args.param_dtype)
-    if args.world_size == 1:
-        return _not_aliasing(arithmetic.single_rank_gather(readable(shard), dtype), shard)
-    guard.check(args.group_name, guard.KIND_EAGER_GATHER, args.param_id, repr(args.fqn))
-    flat = arithmetic.gather_input([readable(shard)], [args.layout.padded_numel], dtype)
-    gathered = all_gather(flat, args.world_size, args.group_name)
-    return arithmetic.gather_copy_out(gathered, [args.layout])[0]
+    parsed = ShardSpec.parse(spec)
+    scheme = gather_scheme(parsed, shard.dtype)
+    if scheme.communicates:
+        check_eager(parsed, guard.KIND_EAGER_GATHER, param_id, repr(parsed.fqn))
+    (full,) = run_gather(scheme, EAGER, [readable(shard)], [parsed])
+    return _not_aliasing(full, shard)
 
 
 @unshard.register_fake
-def _unshard_fake(shard: torch.Tensor, *rest) -> torch.Tensor:
-    args, _ = _split(rest)
-    dtype = arithmetic.gather_dtype(shard.dtype, args.param_dtype)
-    return shard.new_empty(tuple(args.full_shape), dtype=dtype)
+def _unshard_fake(shard, param_id, spec, grad_sink=None):
+    parsed = ShardSpec.parse(spec)
+    return shard.new_empty(parsed.shape, dtype=parsed.gather_dtype(shard.dtype))
 
 
-@torch.library.custom_op("zero3::reduce_grad", mutates_args=(), schema=REDUCE_GRAD_SCHEMA)
-def reduce_grad(grad: torch.Tensor, *rest) -> torch.Tensor:
+@torch.library.custom_op(
+    "zero3::reduce_grad",
+    mutates_args=(),
+    schema=(
+        "(Tensor grad, int param_id, str spec, SymInt[] shard_shape, ScalarType shard_dtype)"
+        " -> Tensor"
+    ),
+)
+def reduce_grad(
+    grad: torch.Tensor,
+    param_id: int,
+    spec: str,
+    shard_shape: Sequence[int],
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
     """Reduce-scatter the full gradient ``grad``; return this rank's shard of the mean."""
-    args, (shard_shape, shard_dtype) = _split(rest)
-    dtype = args.reduce_dtype or grad.dtype
-    if args.world_size == 1 and args.replicate_size == 1:
-        out = arithmetic.single_rank_reduce(grad, dtype, shard_shape, shard_dtype)
-        return _not_aliasing(out, grad)
-    if args.world_size == 1:  # replicated, not sharded (a 4x1 mesh): DDP's all-reduce
-        guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
-        full = all_reduce_sum(arithmetic.cast(grad, dtype).contiguous(), args.replicate_group)
-        return arithmetic.single_rank_reduce(
-            full / args.replicate_size, dtype, shard_shape, shard_dtype
-        )
-    guard.check(args.group_name, guard.KIND_EAGER_REDUCE, args.param_id, repr(args.fqn))
-    flat = arithmetic.reduce_input([grad], args.world_size, [args.layout.padded_numel], dtype)
-    reduced = reduce_scatter_sum(flat, args.world_size, args.group_name)
-    if args.replicate_size > 1:  # hybrid sharding: the shard's sum over the replicas too
-        reduced = all_reduce_sum(reduced, args.replicate_group)
-    (out,) = arithmetic.reduce_copy_out(
-        reduced,
-        [args.layout.padded_numel],
-        [math.prod(shard_shape)],
-        args.world_size * args.replicate_size,
-        [shard_dtype],
-    )
-    return out.view(shard_shape)
+    parsed = ShardSpec.parse(spec)
+    scheme = reduce_scheme(parsed, grad.dtype, shard_dtype)
+    if scheme.stages:
+        check_eager(parsed, guard.KIND_EAGER_REDUCE, param_id, repr(parsed.fqn))
+    (out,) = run_reduce(scheme, EAGER, [grad], [parsed], [list(shard_shape)])
+    return _not_aliasing(out, grad)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad: torch.Tensor, *rest) -> torch.Tensor:
-    _, (shard_shape, shard_dtype) = _split(rest)
+def _reduce_grad_fake(grad, param_id, spec, shard_shape, shard_dtype):
     return grad.new_empty(tuple(shard_shape), dtype=shard_dtype)
 
 
@@ -110,22 +96,24 @@ def _not_aliasing(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    shard, *rest = inputs
-    args, (grad_sink,) = _split(rest)
-    ctx.args = args
+    shard, param_id, spec, grad_sink = inputs
+    ctx.param_id, ctx.spec = param_id, spec
     ctx.shard_shape = list(shard.shape)
     ctx.shard_dtype = shard.dtype
     ctx.sink_dtype = None if grad_sink is None else grad_sink.dtype
+    # eager: the model whose collective this is (its backward reduces with its timeout)
+    ctx.runtime = active_runtime()
 
 
 def _backward(ctx, grad):
-    nones = (None,) * NUM_MARKER_FIELDS
     if ctx.sink_dtype is not None:  # accumulating without synchronisation: no collective
-        return (None, *nones, grad.to(ctx.sink_dtype))
-    shard_grad = torch.ops.zero3.reduce_grad.default(
-        grad, *marker_tuple(ctx.args), ctx.shard_shape, ctx.shard_dtype
-    )
-    return (shard_grad, *nones, None)
+        return None, None, None, grad.to(ctx.sink_dtype)
+    if ctx.runtime is None:
+        shard_grad = REDUCE_GRAD(grad, ctx.param_id, ctx.spec, ctx.shard_shape, ctx.shard_dtype)
+    else:
+        with ctx.runtime.active():
+            shard_grad = REDUCE_GRAD(grad, ctx.param_id, ctx.spec, ctx.shard_shape, ctx.shard_dtype)
+    return shard_grad, None, None, None
 
 
 unshard.register_autograd(_backward, setup_context=_setup_context)
@@ -142,81 +130,27 @@ def is_reduce_grad(node) -> bool:
     return node.op == "call_function" and node.target is REDUCE_GRAD
 
 
-# ------------------------------------------------------------------------------- copy-in, copy-out
-# What the lowering passes put around a bucket's collective: fixed operations, so Inductor calls
-# them instead of generating (and, on CPU, compiling) a kernel for every bucket's shapes.
-
-
-@torch.library.custom_op("zero3::gather_copy_in", mutates_args=())
-def gather_copy_in(
-    shards: list[torch.Tensor], sizes: list[int], dtype: torch.dtype
-) -> torch.Tensor:
-    return arithmetic.gather_copy_in(shards, sizes, dtype)
-
-
-@gather_copy_in.register_fake
-def _gather_copy_in_fake(shards, sizes, dtype):
-    return shards[0].new_empty(sum(sizes), dtype=dtype)
-
-
-@torch.library.custom_op("zero3::gather_copy_out", mutates_args=())
-def gather_copy_out(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
-    return arithmetic.gather_copy_out_parts(gathered, world, sizes)
-
-
-@gather_copy_out.register_fake
-def _gather_copy_out_fake(gathered, world, sizes):
-    return [gathered.new_empty((world, size)) for size in sizes]
-
-
-@torch.library.custom_op("zero3::reduce_copy_in", mutates_args=())
-def reduce_copy_in(
-    grads: list[torch.Tensor], world: int, sizes: list[int], dtype: torch.dtype
-) -> torch.Tensor:
-    return arithmetic.reduce_copy_in(grads, world, sizes, dtype)
-
-
-@reduce_copy_in.register_fake
-def _reduce_copy_in_fake(grads, world, sizes, dtype):
-    return grads[0].new_empty(world * sum(sizes), dtype=dtype)
-
-
-@torch.library.custom_op("zero3::reduce_copy_out", mutates_args=())
-def reduce_copy_out(
-    reduced: torch.Tensor, sizes: list[int], numels: list[int], divisor: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    return arithmetic.reduce_copy_out(reduced, sizes, numels, divisor, [dtype] * len(sizes))
-
-
-@reduce_copy_out.register_fake
-def _reduce_copy_out_fake(reduced, sizes, numels, divisor, dtype):
-    return [reduced.new_empty(numel, dtype=dtype) for numel in numels]
-
-
-GATHER_COPY_IN = torch.ops.zero3.gather_copy_in.default
-GATHER_COPY_OUT = torch.ops.zero3.gather_copy_out.default
-REDUCE_COPY_IN = torch.ops.zero3.reduce_copy_in.default
-REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default
-
-
 # ------------------------------------------------------------------------------- the graph guard
 
 
 @torch.library.custom_op("zero3::guard", mutates_args=())
-def graph_guard(group_name: str, kind: int, code: int, label: str, timeout_s: float) -> None:
-    """A scheduled graph's cross-rank check, run before its first collective (``guard.py``).
+def graph_guard(
+    group: str, replicate_group: str, kind: int, code: int, label: str, timeout_s: float
+) -> None:
+    """A scheduled graph's cross-rank check, run before its first collective (``guard.py``),
+    on the side channel of the mesh whose shard and replicate groups are named.
 
-    For a backward graph it also exchanges which outputs received a gradient (``runtime.py``);
-    ``timeout_s`` <= 0: the group's. Its arguments depend only on the graph and the options:
-    the compiled code is cached and loaded by other processes (no process-local ids here).
+    For a backward graph it also exchanges which outputs received a gradient (``gate.py``).
+    Its arguments depend only on the graph and the options: the compiled code is cached and
+    loaded by other processes (no process-local ids here).
     """
-    from .runtime import run_graph_guard
+    from ..runtime.gate import run_graph_guard
 
-    run_graph_guard(group_name, kind, code, label, timeout_s if timeout_s > 0 else None)
+    run_graph_guard(group, replicate_group, kind, code, label, timeout_s)
 
 
 @graph_guard.register_fake
-def _graph_guard_fake(group_name: str, kind: int, code: int, label: str, timeout_s: float) -> None:
+def _graph_guard_fake(group, replicate_group, kind, code, label, timeout_s) -> None:
     return None
 
 
@@ -251,7 +185,7 @@ RELOAD = torch.ops.zero3.reload.default
 
 
 class UnshardMany(torch.autograd.Function):
-    """Gather several parameters with one collective per dtype (eager leaf modules).
+    """Gather several parameters with one collective per scheme (eager leaf modules).
 
     Backward reduce-scatters every gradient of the group at once, on every rank, whichever of
     them this rank's computation reached (the others count as zeros), so ranks that routed tokens
@@ -259,100 +193,98 @@ class UnshardMany(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, markers: tuple[MarkerArgs, ...], *shards: torch.Tensor):
-        ctx.markers = markers
+    def forward(ctx, states, *shards: torch.Tensor):
+        specs = [s.spec for s in states]
+        ctx.states = states
         ctx.shard_shapes = [list(s.shape) for s in shards]
         ctx.shard_dtypes = [s.dtype for s in shards]
         ctx.set_materialize_grads(False)
         fulls: list[torch.Tensor | None] = [None] * len(shards)
-        for indices in _by_dtype(
-            [arithmetic.gather_dtype(s.dtype, m.param_dtype) for s, m in zip(shards, markers)]
-        ):
-            group = [markers[i] for i in indices]
-            dtype = arithmetic.gather_dtype(shards[indices[0]].dtype, group[0].param_dtype)
-            first = group[0]
-            if first.world_size == 1:
-                for i in indices:
-                    fulls[i] = arithmetic.single_rank_gather(readable(shards[i]), dtype).clone()
-                continue
-            guard.check(
-                first.group_name, guard.KIND_EAGER_GATHER, _group_code(group), _group_label(group)
-            )
-            layouts = [m.layout for m in group]
-            flat = arithmetic.gather_input(
-                [readable(shards[i]) for i in indices], arithmetic.sizes(layouts), dtype
-            )
-            gathered = all_gather(flat, first.world_size, first.group_name)
-            for i, full in zip(indices, arithmetic.gather_copy_out(gathered, layouts)):
-                fulls[i] = full
+        schemes = [gather_scheme(spec, shard.dtype) for spec, shard in zip(specs, shards)]
+        with states[0].root.active():
+            for indices in _by_key([s.key() for s in schemes]):
+                scheme = schemes[indices[0]]
+                group = [states[i] for i in indices]
+                if scheme.communicates:
+                    check_eager(
+                        specs[indices[0]],
+                        guard.KIND_EAGER_GATHER,
+                        _group_code(group),
+                        _group_label(group),
+                    )
+                outs = run_gather(
+                    scheme,
+                    EAGER,
+                    [readable(shards[i]) for i in indices],
+                    [specs[i] for i in indices],
+                )
+                for i, full in zip(indices, outs):
+                    fulls[i] = _not_aliasing(full, shards[i])
         return tuple(fulls)
 
     @staticmethod
     def backward(ctx, *grads):
-        markers = ctx.markers
-        out: list[torch.Tensor | None] = [None] * len(markers)
-        wanted = [i for i in range(len(markers)) if ctx.needs_input_grad[1 + i]]
-        dtypes = [markers[i].reduce_dtype or ctx.shard_dtypes[i] for i in range(len(markers))]
-        for indices in _by_dtype([dtypes[i] for i in wanted]):
-            indices = [wanted[i] for i in indices]
-            group = [markers[i] for i in indices]
-            first, dtype = group[0], dtypes[indices[0]]
-            present = [grads[i] is not None for i in indices]
-            full = [
-                grads[i] if grads[i] is not None else torch.zeros(m.full_shape, dtype=dtype)
-                for i, m in zip(indices, group)
-            ]
-            if first.world_size == 1:
-                reduced = [
-                    arithmetic.single_rank_reduce(
-                        g, dtype, ctx.shard_shapes[i], ctx.shard_dtypes[i]
-                    )
-                    for i, g in zip(indices, full)
+        states = ctx.states
+        out: list[torch.Tensor | None] = [None] * len(states)
+        wanted = [i for i in range(len(states)) if ctx.needs_input_grad[1 + i]]
+        # reduced in the shard's dtype unless the policy says otherwise, whatever dtype (or
+        # absence) this rank's gradient has: every rank must group the same way
+        schemes = {
+            i: reduce_scheme(
+                states[i].spec,
+                states[i].spec.reduce_dtype or ctx.shard_dtypes[i],
+                ctx.shard_dtypes[i],
+            )
+            for i in wanted
+        }
+        with states[0].root.active():
+            for indices in _by_key([schemes[i].key() for i in wanted]):
+                indices = [wanted[i] for i in indices]
+                scheme = schemes[indices[0]]
+                group = [states[i] for i in indices]
+                present = [grads[i] is not None for i in indices]
+                full = [
+                    grads[i]
+                    if grads[i] is not None
+                    else torch.zeros(states[i].full_shape, dtype=scheme.dtype)
+                    for i in indices
                 ]
                 union = present
-            else:
-                union = guard.check(
-                    first.group_name,
-                    guard.KIND_EAGER_REDUCE,
-                    _group_code(group),
-                    _group_label(group),
-                    presence=present,
+                if scheme.stages:
+                    union = check_eager(
+                        states[indices[0]].spec,
+                        guard.KIND_EAGER_REDUCE,
+                        _group_code(group),
+                        _group_label(group),
+                        presence=present,
+                    )
+                reduced = run_reduce(
+                    scheme,
+                    EAGER,
+                    full,
+                    [s.spec for s in group],
+                    [ctx.shard_shapes[i] for i in indices],
                 )
-                layouts = [m.layout for m in group]
-                sizes = arithmetic.sizes(layouts)
-                flat = arithmetic.reduce_input(full, first.world_size, sizes, dtype)
-                result = reduce_scatter_sum(flat, first.world_size, first.group_name)
-                if first.replicate_size > 1:
-                    result = all_reduce_sum(result, first.replicate_group)
-                shapes = [ctx.shard_shapes[i] for i in indices]
-                flats = arithmetic.reduce_copy_out(
-                    result,
-                    sizes,
-                    [math.prod(shape) for shape in shapes],
-                    first.world_size * first.replicate_size,
-                    [ctx.shard_dtypes[i] for i in indices],
-                )
-                reduced = [x.view(shape) for x, shape in zip(flats, shapes)]
-            for i, grad, keep in zip(indices, reduced, union):
-                out[i] = grad if keep else None
+                for i, grad, keep in zip(indices, reduced, union):
+                    out[i] = grad if keep else None
         return (None, *out)
 
 
-def _by_dtype(dtypes: list[torch.dtype]) -> list[list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, dtype in enumerate(dtypes):
-        groups.setdefault(dtype, []).append(i)
+def _by_key(keys: list) -> list[list[int]]:
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
-def _group_code(markers: Sequence[MarkerArgs]) -> int:
+def _group_code(states) -> int:
     code = 0
-    for m in markers:
-        code = (code * 1000003 + m.param_id) & 0x7FFFFFFF
+    for state in states:
+        code = (code * 1000003 + state.param_id) & 0x7FFFFFFF
     return code
 
 
-def _group_label(markers: Sequence[MarkerArgs]) -> str:
-    names = [m.fqn for m in markers]
+def _group_label(states) -> str:
+    names = [s.fqn for s in states]
     shown = ", ".join(repr(n) for n in names[:3])
     return f"of {len(names)} parameters ({shown}{', ...' if len(names) > 3 else ''})"

@@ -17,6 +17,7 @@ graph before it reaches Inductor. The callable handed back to dynamo is a ``Gate
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -29,8 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from . import recording
-from .compat import (
+from ..compat import (
     aot_autograd_backend,
     autograd_cache_disabled,
     boxed_codegen,
@@ -41,23 +41,25 @@ from .compat import (
     partitioner_base,
     register_dynamo_backend,
 )
+from ..runtime.gate import GatedCall
+from ..runtime.guard import DEFAULT_TIMEOUT_S
+from ..sharding.state import is_sharded, state_of
+from . import recording
 from .context import CompileContext
 from .graph_facts import output_dependencies
-from .graph_utils import output_node
-from .inspect.session import install_from_env as install_inspection_from_env
+from .graph_utils import copy_graph_module, output_node
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
-from .param import is_sharded, state_of
 from .passes import check_no_gathered_saved
 from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
 from .recording import GraphRecord
-from .runtime import GatedCall
 from .signature import check_generated_order, collective_signature, describe_signature
 
 log = logging.getLogger(__name__)
 
-_SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
+# the whole package: any change of ours invalidates cached compiled code
+_SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zero3_backend(
@@ -71,7 +73,9 @@ def zero3_backend(
     start = time.perf_counter()
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)
-    install_inspection_from_env()
+    if opts.sync_timeout_s is None:  # the model's own (shard(sync_timeout_s=...)), in the graphs
+        opts = dataclasses.replace(opts, sync_timeout_s=_model_timeout(gm, example_inputs))
+    recording.compiling()
     ctx = CompileContext(opts, recorders=recording.listening())
     with _timed("dynamo graph passes"):
         run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
@@ -102,13 +106,23 @@ def _timed(phase: str):
         recording.add_compile_time(phase, time.perf_counter() - start)
 
 
+def _sharded_states(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list:
+    candidates = list(example_inputs) + [p for _, p in gm.named_parameters()]
+    return [s for s in (state_of(t) for t in candidates) if s is not None]
+
+
 def _group_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str, ...]:
     names = set()
-    for t in list(example_inputs) + [p for _, p in gm.named_parameters()]:
-        state = state_of(t)
-        if state is not None:
-            names.update(n for n in (state.group_name, state.replicate_group) if n)
+    for state in _sharded_states(gm, example_inputs):
+        names.update(n for n in (state.spec.group, state.spec.replicate_group) if n)
     return tuple(sorted(names))
+
+
+def _model_timeout(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> float:
+    """The cross-rank check's timeout of the models whose parameters the graph reads (the
+    longest, if several models with different ones share a graph)."""
+    timeouts = {s.root.timeout_s for s in _sharded_states(gm, example_inputs) if s.root is not None}
+    return max(timeouts, default=DEFAULT_TIMEOUT_S)
 
 
 def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -206,20 +220,19 @@ def _schedule(gm: fx.GraphModule, ctx: CompileContext, kind: str) -> GraphRecord
     pass_ctx = ctx.passes(kind, graph_id)
     with _timed("forward/backward graph passes"):
         run_pipeline(gm, pass_ctx)
-    record = GraphRecord(kind=kind, graph_id=graph_id, gm=gm)
+    recorders = ctx.recorders + [r for r in recording.listening() if r not in ctx.recorders]
+    # recorded as scheduled: Inductor's own passes rewrite the graph it is handed in place
+    copying = recorders and ctx.options.codegen == "inductor"
+    shown = copy_graph_module(gm)[0] if copying else gm
+    record = GraphRecord(kind=kind, graph_id=graph_id, gm=shown)
     if kind == "forward" and ctx.plans:
         record.budget = ctx.plans[-1]
-    recorders = ctx.recorders + [r for r in recording.listening() if r not in ctx.recorders]
     for recorder in recorders:
         recorder.add(record)
     rank = dist.get_rank()
 
-    def report_json() -> str:
-        from .inspect.report import build_report
-
-        return build_report(record).to_json()
-
-    Dumper(pass_ctx, rank).write_text("report.json", report_json)
+    # the report is rendered by the inspection tools (when loaded), only if it is written
+    Dumper(pass_ctx, rank).write_text("report.json", lambda: recording.report_json(record) or "{}")
     log.info(
         "[rank %d] zero3: %s graph %s: %s",
         rank,

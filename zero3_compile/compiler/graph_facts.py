@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
-from .ops import GUARD, REDUCE_GRAD, UNSHARD
+from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
+from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
 
 
 def is_view(node: fx.Node) -> bool:

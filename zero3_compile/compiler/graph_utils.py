@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from .compat import fake_tensor_types
+from ..compat import fake_tensor_types
 
 FakeTensor, FakeTensorMode = fake_tensor_types()
 
@@ -134,3 +134,16 @@ def move_users_after(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) 
     for user in sorted(to_move, key=order.__getitem__):
         cursor.append(user)
         cursor = user
+
+
+def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm`` (same node names, its ``meta`` copied, the nodes' fake values shared,
+    read-only); returns it and {new node: original node}."""
+    graph = fx.Graph()
+    value_map: dict[fx.Node, fx.Node] = {}
+    output_value, old_output = graph.graph_copy(gm.graph, value_map, return_output_node=True)
+    new_output = graph.output(output_value)
+    new_output.meta = dict(old_output.meta)  # the partitioner reads the outputs' descriptors
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy, {new: old for old, new in value_map.items()}

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .compat import group_backend, min_cut_partition, order_saved_values, resolve_group
+from ..collectives.ops import REDUCE_GRAD, UNSHARD
+from ..compat import group_backend, min_cut_partition, order_saved_values, resolve_group
 from .context import PassContext
 from .graph_facts import shard_inputs
-from .inspect.memory import memory_timeline
-from .ops import REDUCE_GRAD, UNSHARD
-from .param import ReduceGradCall, UnshardCall
+from .graph_utils import copy_graph_module
+from .markers import ReduceGradCall, UnshardCall
+from .memory import memory_timeline
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def plan_budget(joint: fx.GraphModule, joint_inputs, kwargs, ctx: PassContext) -
     plan.estimated = fits_estimate
     plan.next_estimate = over_estimate
     plan.kept = [
-        KeptParam(UnshardCall.of(m).args.fqn, _nbytes(m), last_forward_use(m)) for m in chosen
+        KeptParam(UnshardCall.of(m).spec.fqn, _nbytes(m), last_forward_use(m)) for m in chosen
     ]
     for marker in chosen:
         marker.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -172,7 +173,7 @@ def estimate_step_peak(joint, joint_inputs, kwargs, ctx: PassContext, keep: set[
     partition a copy of the joint graph, schedule copies of its graphs, read their liveness."""
     from .pipeline import BACKWARD_PASSES, FORWARD_PASSES, run_pipeline
 
-    copy, mapping = _copy(joint)
+    copy, mapping = copy_graph_module(joint)
     for node, original in mapping.items():
         if original.target is UNSHARD and id(original) in keep:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -187,17 +188,6 @@ def estimate_step_peak(joint, joint_inputs, kwargs, ctx: PassContext, keep: set[
     forward = memory_timeline(fw, gloo_temporaries=gloo)
     backward = memory_timeline(bw, inputs_die=True, gloo_temporaries=gloo)
     return max(forward.peak_bytes, forward.end_bytes + backward.peak_bytes)
-
-
-def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
-    """A copy of ``gm`` sharing its (read-only) fake values; {new node: original node}."""
-    graph = fx.Graph()
-    value_map: dict[fx.Node, fx.Node] = {}
-    output_value, old_output = graph.graph_copy(gm.graph, value_map, return_output_node=True)
-    new_output = graph.output(output_value)
-    new_output.meta = dict(old_output.meta)  # the partitioner reads the outputs' descriptors
-    copy = fx.GraphModule(gm, graph)
-    return copy, {new: old for old, new in value_map.items()}
 
 
 def _nbytes(marker: fx.Node) -> int:
@@ -220,7 +210,7 @@ def _persistent_bytes(joint: fx.GraphModule, ctx: PassContext) -> int:
 
 
 def _uses_gloo(gm: fx.GraphModule) -> bool:
-    from .compat import COLLECTIVES
+    from ..compat import COLLECTIVES
 
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES:

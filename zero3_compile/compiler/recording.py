@@ -52,6 +52,30 @@ class Recorder:
 
 _listening: list[Recorder] = []
 _compile_seconds: dict[str, float] = {}
+# Plug-ins of the tools (``tools/inspect``), which the compiler never imports: called at the
+# start of every backend call, and to render a scheduled graph's report for ``dump_dir``.
+_on_compile: list = []
+_reporters: list = []
+
+
+def on_compile(callback) -> None:
+    """``callback()`` runs at the start of every backend call (the inspection CLI's recorder)."""
+    if callback not in _on_compile:
+        _on_compile.append(callback)
+
+
+def compiling() -> None:
+    for callback in list(_on_compile):
+        callback()
+
+
+def set_reporter(render) -> None:
+    """``render(record) -> str``: the JSON report ``dump_dir`` writes for each scheduled graph."""
+    _reporters[:] = [render]
+
+
+def report_json(record: GraphRecord) -> str | None:
+    return _reporters[0](record) if _reporters else None
 
 
 def add_compile_time(phase: str, seconds: float) -> None:

@@ -10,9 +10,8 @@ import re
 
 import torch.fx as fx
 
-from .compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, COLLECTIVES, REDUCE_SCATTER, WAIT
-from .guard import role
-from .node_keys import PARAMS
+from ..compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, COLLECTIVES, REDUCE_SCATTER, WAIT
+from .node_keys import GROUP_ROLE, PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +19,9 @@ log = logging.getLogger(__name__)
 def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]:
     """(kind, group, group size, elements, dtype) for every collective, in graph order.
 
-    ``roles``: groups by their role ("shard", "replicate"), the same on every rank, instead of
-    their names (a 2-D mesh's subgroups have other names on other rows).
+    ``roles``: groups by their role ("shard", "replicate", set by the scheme that created the
+    collective), the same on every rank, instead of their names (a 2-D mesh's subgroups have
+    other names on other rows).
     """
     signature = []
     for node in graph.nodes:
@@ -35,7 +35,7 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
         else:
             group = node.args[2]
             kind, world = f"all_reduce_{node.args[1]}", _group_size(group)
-        name = role(str(group)) if roles else str(group)
+        name = node.meta.get(GROUP_ROLE, str(group)) if roles else str(group)
         signature.append((kind, name, int(world), int(tensor.numel()), str(tensor.dtype)))
     return signature
 
@@ -44,7 +44,7 @@ def _group_size(group_name: str) -> int:
     try:
         import torch.distributed as dist
 
-        from .compat import resolve_group
+        from ..compat import resolve_group
 
         return dist.get_world_size(resolve_group(group_name))
     except Exception:  # noqa: BLE001 - a graph read offline
@@ -128,7 +128,7 @@ def generated_events(source_code: str) -> list[tuple[str, int]]:
 
 def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
     """What ``generated_events`` must find for ``graph``."""
-    from .ops import GUARD
+    from ..collectives.ops import GUARD
 
     issued: dict[fx.Node, int] = {}
     events: list[tuple[str, int]] = []

@@ -27,14 +27,14 @@ partial gradient (or a stale kept parameter would be read after the step).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .ops import REDUCE_GRAD, UNSHARD
-from .param import ShardedParam, marker_tuple, module_state, state_of
+from ..collectives.ops import REDUCE_GRAD, UNSHARD
+from ..runtime.optimizers import watch_optimizers
+from ..sharding.spec import ShardSpec
+from ..sharding.state import ShardedParam, ShardState, module_state
 
 
 def set_requires_gradient_sync(
@@ -50,35 +50,42 @@ def set_requires_gradient_sync(
             "zero3: keep_gathered=True keeps parameters gathered while gradient sync is off; "
             "pass it with requires_gradient_sync=False"
         )
-    _install_step_check()
+    watch_optimizers()  # the step refuses pending unreduced gradients
     states: dict[int, ShardedParam] = {}
     for module in model.modules():
         state = module_state(module)
         if state is None:
             continue
-        state.requires_sync = requires_gradient_sync
         for param_state in state.params.values():
-            param_state.requires_sync = requires_gradient_sync
             states.setdefault(id(param_state), param_state)
-            if not requires_gradient_sync and param_state.param.requires_grad:
-                _ensure_sink(param_state)
     # in module order, the same on every rank: the eager collectives below pair up
-    if keep_gathered:
-        for param_state in states.values():
-            if param_state.kept_full is None:
-                _keep(param_state)
-    elif requires_gradient_sync:
-        for param_state in states.values():
-            if param_state.kept_full is not None:
+    for param_state in states.values():
+        if requires_gradient_sync:
+            if param_state.state is ShardState.KEPT_GATHERED:
                 _release(param_state)
+            param_state.transition(ShardState.SHARDED)
+            continue
+        if param_state.param.requires_grad:
+            _ensure_sink(param_state)
+        if keep_gathered and param_state.state is not ShardState.KEPT_GATHERED:
+            _keep(param_state)
+            param_state.transition(ShardState.KEPT_GATHERED)
+        elif param_state.state is ShardState.SHARDED:
+            param_state.transition(ShardState.ACCUMULATING)
+
+
+def _exact(spec: ShardSpec) -> str:
+    """The spec without the compute cast: kept parameters and their gradients stay exact."""
+    from dataclasses import replace
+
+    return replace(spec, param_dtype=None).literal()
 
 
 def _keep(state: ShardedParam) -> None:
     """Gather the parameter (in the shard's dtype) into a leaf that collects its gradients."""
     local = state.local()
-    exact = dataclasses.replace(state.marker, param_dtype=None)  # no cast: grads accumulate exactly
-    with torch.no_grad():
-        full = UNSHARD(local, *marker_tuple(exact), None)
+    with torch.no_grad(), state.root.active():
+        full = UNSHARD(local, state.param_id, _exact(state.spec), None)
     full.requires_grad_(state.param.requires_grad)
     sink = state.grad_sink
     if sink is not None and sink.grad is not None:  # pending from micro-batches before keeping
@@ -92,10 +99,14 @@ def _release(state: ShardedParam) -> None:
     full, state.kept_full = state.kept_full, None
     if full.grad is None:
         return
+    _add_reduced(state, full.grad)
+
+
+def _add_reduced(state: ShardedParam, pending: torch.Tensor) -> None:
     local = state.local()
-    with torch.no_grad():
+    with torch.no_grad(), state.root.active():
         reduced = REDUCE_GRAD(
-            full.grad, *marker_tuple(state.marker), list(local.shape), local.dtype
+            pending, state.param_id, state.spec.literal(), list(local.shape), local.dtype
         )
     param = state.param
     if param.grad is None:
@@ -104,41 +115,6 @@ def _release(state: ShardedParam) -> None:
         )
     else:
         param.grad.to_local().add_(reduced)
-
-
-_STEP_CHECK = []
-
-
-def _install_step_check() -> None:
-    if not _STEP_CHECK:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_CHECK.append(register_optimizer_step_pre_hook(_check_no_pending_gradients))
-
-
-def _check_no_pending_gradients(optimizer, args, kwargs) -> None:
-    """Refuse a step while sharded parameters hold unreduced gradients."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = state_of(param)
-            if state is None:
-                continue
-            sink = state.grad_sink
-            kept = state.kept_full is not None and state.kept_full.grad is not None
-            if not (kept or (sink is not None and sink.grad is not None)):
-                continue
-            fix = (
-                "call z3.set_requires_gradient_sync(model, True) before the last micro-batch's "
-                "backward (with keep_gathered=True: at the latest before the step)"
-                if not state.requires_sync
-                else "run the last micro-batch's backward after turning sync back on: it reduces "
-                "them"
-            )
-            raise RuntimeError(
-                f"zero3: optimizer.step() while {state.fqn!r} holds gradients accumulated with "
-                f"gradient sync off and not reduced yet, so the step would apply a partial "
-                f"gradient: {fix}"
-            )
 
 
 def _ensure_sink(state: ShardedParam) -> None:
@@ -159,11 +135,6 @@ def _flush(state: ShardedParam):
         if pending is None or param.grad is None or not state.requires_sync:
             return
         sink.grad = None
-        local = param.to_local()
-        with torch.no_grad():
-            reduced = REDUCE_GRAD(
-                pending, *marker_tuple(state.marker), list(local.shape), local.dtype
-            )
-            param.grad.to_local().add_(reduced)
+        _add_reduced(state, pending)
 
     return flush

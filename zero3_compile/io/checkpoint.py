@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .guard import roll_call
+from ..runtime.guard import roll_call
 
 _BACKUP = ".zero3-previous"
 MANIFEST = "zero3_manifest.json"

@@ -19,10 +19,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from .param import module_state, state_of
-from .shard import base_class
+from ..frontend.classes import base_class
+from ..sharding.state import module_state, state_of
 
 
 def materialize(
@@ -101,26 +100,11 @@ def _target_device(params) -> torch.device:
 @torch.no_grad()
 def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.device) -> None:
     """Store this rank's dim-0 chunk of ``full`` as ``param``'s shard (same Parameter object)."""
-    mesh = param.device_mesh
     state = state_of(param)
-    world, rank = state.world_size, state.rank
-    chunks = torch.chunk(full, world, dim=0)
-    local = (
-        chunks[rank].clone(memory_format=torch.contiguous_format)
-        if rank < len(chunks)
-        else full.new_empty((0, *full.shape[1:]))
-    )
+    local = state.spec.chunk(full, state.rank)
     if param.to_local().device.type == "meta":
         real = nn.Parameter(
-            DTensor.from_local(
-                local,
-                mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            ),
-            requires_grad=param.requires_grad,
+            state.root.dp.wrap(local, state.spec), requires_grad=param.requires_grad
         )
         torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
         state.attach(param)

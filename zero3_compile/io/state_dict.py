@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .offload.params import loaded
-from .param import is_sharded, state_of
+from ..offload.params import loaded
+from ..sharding.state import is_sharded, state_of
 
 
 def full_state_dict(
@@ -131,11 +131,8 @@ def _load_one(key: str, source: torch.Tensor, target: torch.Tensor, param) -> No
                 f"{tuple(param.shape)} in the model"
             )
         state = state_of(param)
-        world, rank = state.world_size, state.rank
-        chunks = torch.chunk(source, world, dim=0)
         offloaded = [state] if state.offload is not None else []
         with loaded(offloaded, write_back=True):
-            if rank < len(chunks):
-                param.to_local().copy_(chunks[rank])
+            param.to_local().copy_(state.spec.local_view(source, state.rank))
     elif isinstance(target, torch.Tensor):
         target.copy_(source)

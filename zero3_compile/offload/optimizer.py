@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..param import state_of
+from ..sharding.state import state_of
 from .params import _evict as evict_shard
 from .params import _fill as fill_shard
 from .store import DiskStore, HostStore, Region

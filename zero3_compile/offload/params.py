@@ -17,6 +17,7 @@ without a reload shows). It comes back:
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -72,6 +73,11 @@ class Offload:
             )
 
 
+class Residency(enum.Enum):
+    RESIDENT = "resident"  # the shard's values are in its parameter
+    EVICTED = "evicted"  # they are only in the store; the parameter holds no memory
+
+
 @dataclass(eq=False)
 class OffloadedShard:
     """The offload record of one sharded parameter."""
@@ -79,7 +85,16 @@ class OffloadedShard:
     store: DiskStore | HostStore
     region: Region
     poison: bool
-    evicted: bool = False
+    residency: Residency = Residency.RESIDENT
+
+    @property
+    def evicted(self) -> bool:
+        return self.residency is Residency.EVICTED
+
+    def mark(self, new: Residency) -> None:
+        if new is self.residency:
+            raise AssertionError(f"zero3: an offloaded shard is {new.value} already")
+        self.residency = new
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +134,7 @@ def _evict(state) -> None:
         local.fill_(float("nan"))
     else:
         local.untyped_storage().resize_(0)
-    record.evicted = True
+    record.mark(Residency.EVICTED)
 
 
 def _fill(state) -> None:
@@ -129,7 +144,7 @@ def _fill(state) -> None:
     if not record.poison:
         local.untyped_storage().resize_(record.nbytes)
     record.store.read(record.region, local)
-    record.evicted = False
+    record.mark(Residency.RESIDENT)
 
 
 def state_of_storage(shard: torch.Tensor):
@@ -182,7 +197,7 @@ def _done() -> None:
 
 
 def offloaded_states(model_or_params) -> list:
-    from ..param import state_of
+    from ..sharding.state import state_of
 
     params = (
         model_or_params.parameters()
@@ -268,8 +283,7 @@ def offload_model(root, states: list, offload: Offload, device: torch.device) ->
             register(state, store, offload.poison)
     except OffloadError as error:
         failure = error
-    _agree(root.group, failure)
-    _install_optimizer_hooks()
+    _agree(root.dp.shard_group, failure)
     log.debug(
         "zero3: offloaded %d parameter shards (%.1f MiB) to %s",
         len(states),
@@ -288,37 +302,6 @@ def _agree(group, failure: Exception | None) -> None:
             )
     if failure is not None:
         raise failure
-
-
-_hooks_installed = False
-
-
-def _install_optimizer_hooks() -> None:
-    """Plain optimizers over offloaded parameters: load them for ``step()``, store them after.
-    (``offload_optimizer`` streams them tile by tile instead.)"""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    def pre(optimizer, args, kwargs):
-        if getattr(optimizer, "_zero3_tiled", False):
-            return
-        states = offloaded_states(p for g in optimizer.param_groups for p in g["params"])
-        optimizer.__dict__["_zero3_loaded"] = states
-        load_shards(states)
-
-    def post(optimizer, args, kwargs):
-        states = optimizer.__dict__.pop("_zero3_loaded", None)
-        if states:
-            store_shards(states)
-
-    register_optimizer_step_pre_hook(pre)
-    register_optimizer_step_post_hook(post)
 
 
 def shard_bytes(states) -> int:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from ..compat import compiled_function_offset, is_compiled_function_node
+from ..sharding.state import state_of
 from . import guard
-from .compat import compiled_function_offset, is_compiled_function_node
-from .param import state_of
 from .write_through import GatheredParameter
 
 log = logging.getLogger(__name__)
@@ -75,15 +75,18 @@ class CallState:
 
 
 def run_graph_guard(
-    group_name: str, kind: int, code: int, label: str, timeout_s: float | None
+    group: str, replicate_group: str, kind: int, code: int, label: str, timeout_s: float
 ) -> None:
-    """The body of ``zero3::guard``: the cross-rank check, with the backward's presence bits."""
+    """The body of ``zero3::guard``: the cross-rank check on the side channel of the mesh the
+    graph's collectives run on, with the backward's presence bits."""
     call = None
     if kind == guard.KIND_BACKWARD:
         call = getattr(_pending, "call", None)
         _pending.call = None
     presence = call.presence if call is not None else None
-    union = guard.check(group_name, kind, code, label, presence=presence, timeout_s=timeout_s)
+    union = guard.run_check(
+        guard.channel_of(group, replicate_group), kind, code, label, presence, timeout_s
+    )
     if call is not None:
         call.decide(union if presence is not None else None)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .compat import disable_torch_function_subclass
-from .param import ShardedParam
+from ..compat import disable_torch_function_subclass
+from ..sharding.state import ShardedParam
 
 
 class _Link:
@@ -35,20 +35,18 @@ class _Link:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        from .offload.params import loaded
+        from ..offload.params import loaded
 
         state = self.state
-        full = self.root
-        rows = state.layout.local_rows(state.rank)
-        start = state.rank * state.layout.rows_per_rank
-        if not rows:
+        rows = state.spec.local_view(self.root, state.rank)
+        if not rows.shape[0]:
             return
         if state.offload is not None:  # into the store, as a new version
             with loaded([state], write_back=True):
-                state.local().copy_(full.narrow(0, start, rows).to(state.local().dtype))
+                state.local().copy_(rows.to(state.local().dtype))
             return
         local = state.local()
-        local.copy_(full.narrow(0, start, rows).to(local.dtype))
+        local.copy_(rows.to(local.dtype))
 
 
 def _descriptor_access(func) -> tuple[str, str] | None:

@@ -6,17 +6,18 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..arithmetic import gather_bytes, gather_dtype, reduce_bytes
+from ...collectives.arithmetic import gather_bytes, reduce_bytes
+from ...collectives.ops import REDUCE_GRAD, UNSHARD
+from ...collectives.schemes import gather_scheme, reduce_scheme
 from ..context import PassContext
 from ..graph_utils import node_order
+from ..markers import ReduceGradCall, UnshardCall
 from ..node_keys import BUCKET
-from ..ops import REDUCE_GRAD, UNSHARD
-from ..param import ReduceGradCall, UnshardCall
 
 
 @dataclass
 class Bucket:
-    key: tuple  # (group_name, world_size, dtypes...): only equal keys share a collective
+    key: tuple  # the collective scheme's key: only equal keys share a collective
     block: str | None = None  # the first non-root block of its members
     nbytes: int = 0
     members: list[fx.Node] = field(default_factory=list)
@@ -28,7 +29,7 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     **Invariant** after: every ``unshard`` marker with users and every ``reduce_grad`` marker has
     a bucket index; indices follow the order the collectives will be issued in (gathers: first
     use; reductions: when the gradient is complete). A bucket holds consecutive markers with the
-    same group and dtypes, from at most one block (see ``ctx.block_of``), whose communicated bytes
+    same collective scheme (group, dtypes; ``schemes.py``), from at most one block (see ``ctx.block_of``), whose communicated bytes
     stay within ``bucket_mb``; a single larger parameter gets a bucket of its own.
 
     ```
@@ -78,26 +79,29 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     _number(_group(reductions, ctx, _reduce_traits))
 
 
-def _gather_traits(node: fx.Node) -> tuple[tuple, int, str]:
+def _gather_traits(node: fx.Node, ctx: PassContext) -> tuple[tuple, int, str]:
     call = UnshardCall.of(node)
-    dtype = gather_dtype(call.shard.meta["val"].dtype, call.args.param_dtype)
-    args = call.args
-    return (args.group_name, args.world_size, dtype), gather_bytes([args.layout], dtype), args.fqn
+    fused = ctx.options.fused_copies
+    scheme = gather_scheme(call.spec, call.shard.meta["val"].dtype, traced_copies=fused)
+    return scheme.key(), gather_bytes([call.spec], scheme.dtype), call.spec.fqn
 
 
-def _reduce_traits(node: fx.Node) -> tuple[tuple, int, str]:
+def _reduce_traits(node: fx.Node, ctx: PassContext) -> tuple[tuple, int, str]:
     call = ReduceGradCall.of(node)
-    dtype = call.args.reduce_dtype or call.grad.meta["val"].dtype
-    args = call.args
-    key = (args.group_name, args.world_size, dtype, call.shard_dtype)
-    return key, reduce_bytes([args.layout], dtype), args.fqn
+    scheme = reduce_scheme(
+        call.spec,
+        call.grad.meta["val"].dtype,
+        call.shard_dtype,
+        traced_copies=ctx.options.fused_copies,
+    )
+    return scheme.key(), reduce_bytes([call.spec], scheme.dtype), call.spec.fqn
 
 
 def _group(nodes: list[fx.Node], ctx: PassContext, traits) -> list[Bucket]:
     cap = ctx.options.bucket_bytes
     buckets: list[Bucket] = []
     for node in nodes:
-        key, nbytes, name = traits(node)
+        key, nbytes, name = traits(node, ctx)
         block = ctx.block_of(name) or None
         current = buckets[-1] if buckets else None
         fits = (

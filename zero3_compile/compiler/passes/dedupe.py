@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..compat import set_grad_enabled_target
+from ...collectives.ops import is_unshard
+from ...compat import set_grad_enabled_target
 from ..context import PassContext
-from ..ops import is_unshard
-from ..param import UnshardCall
+from ..markers import UnshardCall
 
 
 def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -57,7 +57,7 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not is_unshard(node):
             continue
         call = UnshardCall.of(node)
-        key = (_source(call.shard), call.args.param_id, call.grad_sink is None)
+        key = (_source(call.shard), call.param_id, call.grad_sink is None)
         kept = first.get(key)
         if kept is None:
             first[key] = [node, grad_enabled]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..compat import checkpoint_hops, is_dtensor_to_local, normalize_to_local
+from ...compat import checkpoint_hops, is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
 
 

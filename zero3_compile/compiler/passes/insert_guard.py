@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .. import guard
+from ...collectives.ops import GUARD
+from ...runtime import guard
+from ..buckets import records
 from ..context import PassContext
 from ..graph_utils import NodeFactory
 from ..node_keys import ROLE, ROLE_GUARD
-from ..ops import GUARD
 from ..signature import collective_signature, describe_signature, signature_code
 
 _KINDS = {
@@ -19,12 +20,15 @@ _KINDS = {
 
 
 def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Insert ``zero3::guard(group, kind, code, label)`` after the placeholders.
+    """Insert ``zero3::guard(group, replicate_group, kind, code, label, timeout)`` after the
+    placeholders.
 
     **Invariant** after: a graph that issues collectives runs exactly one guard before any of
     them; its code is the digest of the graph's collective sequence (kinds, groups, sizes,
     dtypes, the parameters each carries), so the ranks compare what they are about to issue, not
-    how often each compiled.
+    how often each compiled. It runs on the side channel of the mesh the buckets' collectives
+    use (``gm.meta[BUCKETS]``), with the options' ``sync_timeout_s`` (the backend fills in the
+    model's own when the options leave it unset).
     A graph without collectives is unchanged.
 
     ```
@@ -51,21 +55,18 @@ def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
     """
     graph = gm.graph
     signature = collective_signature(graph)
-    if not signature:
+    ours = [r for r in records(gm) if r.collectives]
+    if not signature or not ours:
         return
-    group_name = signature[0][1]
+    group, replicate_group = ours[0].groups
     code = signature_code(graph)
     # no process-local ids (graph ids): the compiled code is cached and run by other processes
     label = f"({describe_signature(signature, graph)})"
     guard.describe(_KINDS[ctx.graph_kind], code, label)
+    timeout = float(ctx.options.sync_timeout_s or guard.DEFAULT_TIMEOUT_S)
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(anchor):
         NodeFactory(graph, **{ROLE: ROLE_GUARD})(
-            GUARD,
-            group_name,
-            _KINDS[ctx.graph_kind],
-            code,
-            label,
-            float(ctx.options.sync_timeout_s or -1.0),
+            GUARD, group, replicate_group, _KINDS[ctx.graph_kind], code, label, timeout
         )
     graph.lint()

@@ -2,40 +2,32 @@
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import torch.fx as fx
 
-from .. import arithmetic
-from ..compat import ALL_GATHER, WAIT
+from ...collectives.ops import RELOAD, UNSHARD
+from ...collectives.schemes import gather_scheme
+from ...compat import WAIT
+from ..buckets import BucketRecord, GraphEmit, add_record
 from ..context import PassContext
 from ..graph_facts import is_view
-from ..graph_utils import NodeFactory, node_order
-from ..node_keys import (
-    BUCKET,
-    PARAMS,
-    ROLE,
-    ROLE_ALL_GATHER,
-    ROLE_GATHER_COPY_IN,
-    ROLE_GATHER_COPY_OUT,
-    ROLE_GATHER_WAIT,
-    ROLE_RELOAD,
-    ROLE_RELOAD_WAIT,
-)
-from ..ops import GATHER_COPY_IN, GATHER_COPY_OUT, RELOAD, UNSHARD
-from ..param import UnshardCall
+from ..graph_utils import node_order
+from ..markers import UnshardCall
+from ..node_keys import BUCKET, ROLE_RELOAD, ROLE_RELOAD_WAIT
 
 
 def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Lower each gather bucket to copy-in, one all-gather, its wait and copy-outs.
 
     **Invariant** before: markers carry ``meta[BUCKET]`` (``assign_buckets``). After: no
-    ``unshard`` marker is left; each bucket is one ``all_gather_into_tensor`` whose single user is
-    its ``wait_tensor``, all placed right before the bucket's first use (the prefetch pass moves
-    the issue earlier). Shard views are hoisted to the top so issues can move freely. Copy-in and
-    copy-out are the fixed operations ``zero3::gather_copy_in`` / ``gather_copy_out`` (bodies in
-    ``arithmetic.py``): Inductor calls them rather than compiling a kernel per bucket shape.
+    ``unshard`` marker is left; each bucket is its collective scheme's steps (``schemes.py``:
+    copy-in, the all-gather, its ``wait_tensor``, copy-out), all placed right before the bucket's
+    first use (the prefetch pass moves the issue earlier), and recorded in
+    ``gm.meta[BUCKETS]`` (``buckets.BucketRecord``). Shard views are hoisted to the top so issues
+    can move freely. Copy-in and copy-out are the fixed operations ``zero3::gather_copy_in`` /
+    ``gather_copy_out`` (bodies in ``arithmetic.py``): Inductor calls them rather than compiling a
+    kernel per bucket shape; with ``fused_copies`` the scheme traces the ATen ops instead.
 
     ```
     before:
@@ -85,7 +77,7 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         order = node_order(graph)
         first_use = min((u for m in members for u in m.users), key=order.__getitem__)
         with graph.inserting_before(first_use):
-            fulls = _emit_bucket(graph, index, members, ctx.options.fused_copies)
+            fulls = _emit_bucket(gm, index, members, ctx.options.fused_copies)
         for marker, full in zip(members, fulls):
             marker.replace_all_uses_with(full)
             graph.erase_node(marker)
@@ -131,7 +123,7 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
 _TEST_ONLY_DROP_RELOAD_WAITS = False
 
 
-def _reloaded(factory, call: UnshardCall) -> fx.Node:
+def _reloaded(emit: GraphEmit, call: UnshardCall) -> fx.Node:
     """An offloaded shard read back from its store: ``reload`` then ``wait_tensor`` (the read is
     moved earlier by ``prefetch_reloads``; the wait stays right before the copy-in).
 
@@ -143,45 +135,33 @@ def _reloaded(factory, call: UnshardCall) -> fx.Node:
     while is_view(node):
         chain.append(node)
         node = node.args[0]
-    started = factory(ROLE_RELOAD)(RELOAD, node)
+    started = emit.node(ROLE_RELOAD, RELOAD, node)
     if _TEST_ONLY_DROP_RELOAD_WAITS:  # the poison-mode test's broken schedule
         value = started
     else:
-        value = factory(ROLE_RELOAD_WAIT)(WAIT, started)
+        value = emit.node(ROLE_RELOAD_WAIT, WAIT, started)
     for view in reversed(chain):
-        args = (value, *view.args[1:])
-        value = factory(ROLE_RELOAD_WAIT)(view.target, *args, **view.kwargs)
+        value = emit.node(ROLE_RELOAD_WAIT, view.target, value, *view.args[1:], **view.kwargs)
     return value
 
 
-def _emit_bucket(graph: fx.Graph, index: int, members: list[fx.Node], fused: bool) -> list[fx.Node]:
+def _emit_bucket(
+    gm: fx.GraphModule, index: int, members: list[fx.Node], fused: bool
+) -> list[fx.Node]:
     calls = [UnshardCall.of(m) for m in members]
-    args = [c.args for c in calls]
-    names = tuple(a.fqn for a in args)
-    dtype = arithmetic.gather_dtype(calls[0].shard.meta["val"].dtype, args[0].param_dtype)
-
-    def factory(role: str) -> NodeFactory:
-        return NodeFactory(graph, source=members[0], **{ROLE: role, BUCKET: index, PARAMS: names})
-
-    if args[0].world_size == 1:
-        return [
-            factory(ROLE_GATHER_COPY_IN).splice(
-                functools.partial(arithmetic.single_rank_gather, dtype=dtype),
-                [_reloaded(factory, c) if c.args.offloaded else c.shard],
-            )
-            for c in calls
-        ]
-    layouts = [a.layout for a in args]
-    shards = [_reloaded(factory, c) if c.args.offloaded else c.shard for c in calls]
-    sizes = arithmetic.sizes(layouts)
-    copy_in = arithmetic.gather_copy_in if fused else GATHER_COPY_IN
-    copy_parts = arithmetic.gather_copy_out_parts if fused else GATHER_COPY_OUT
-    flat = factory(ROLE_GATHER_COPY_IN).splice(
-        lambda *s: arithmetic.gather_input(s, sizes, dtype, copy_in=copy_in), shards
+    specs = [c.spec for c in calls]
+    scheme = gather_scheme(specs[0], calls[0].shard.meta["val"].dtype, traced_copies=fused)
+    record = BucketRecord(
+        kind="gather",
+        index=index,
+        params=tuple(s.fqn for s in specs),
+        scheme=type(scheme).__name__,
+        groups=(specs[0].group, specs[0].replicate_group),
     )
-    world, group = args[0].world_size, args[0].group_name
-    gathered = factory(ROLE_ALL_GATHER)(ALL_GATHER, flat, world, group)
-    waited = factory(ROLE_GATHER_WAIT)(WAIT, gathered)  # (world * bucket_numel,)
-    return factory(ROLE_GATHER_COPY_OUT).splice(
-        lambda g: arithmetic.gather_copy_out(g, layouts, copy_parts=copy_parts), [waited]
-    )
+    emit = GraphEmit(gm.graph, record, source=members[0])
+    shards = [_reloaded(emit, c) if c.spec.offloaded else c.shard for c in calls]
+    payloads = scheme.copy_in(emit, shards, specs)
+    waited = scheme.wait(emit, scheme.issue(emit, payloads))
+    fulls = scheme.copy_out(emit, waited, specs)
+    add_record(gm, record)
+    return fulls

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .. import arithmetic
-from ..compat import ALL_REDUCE, REDUCE_SCATTER, WAIT
+from ...collectives.ops import REDUCE_GRAD
+from ...collectives.schemes import ReduceScheme, reduce_scheme
+from ...sharding.spec import ShardSpec
+from ..buckets import BucketRecord, GraphEmit, add_record
 from ..context import PassContext
-from ..graph_utils import NodeFactory, move_users_after, node_order, output_node
-from ..node_keys import (
-    BUCKET,
-    PARAMS,
-    ROLE,
-    ROLE_REDUCE_COPY_IN,
-    ROLE_REDUCE_COPY_OUT,
-    ROLE_REDUCE_SCATTER,
-    ROLE_REDUCE_WAIT,
-    ROLE_REPLICA_ALL_REDUCE,
-    ROLE_REPLICA_WAIT,
-)
-from ..ops import REDUCE_COPY_IN, REDUCE_COPY_OUT, REDUCE_GRAD
-from ..param import ReduceGradCall
+from ..graph_utils import move_users_after, node_order, output_node
+from ..markers import ReduceGradCall
+from ..node_keys import BUCKET
 
 
 def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -35,9 +25,10 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     right after the last of its gradients is computed; its wait and copy-out (slice this rank's
     rows, divide by the world size, cast to the shard dtype) sit right before bucket
     ``j + reduce_scatter_depth`` is issued, or before the output for the last buckets, so at most
-    ``reduce_scatter_depth`` full-size gradient buckets are in flight. With hybrid sharding the
-    reduced shard bucket is then all-reduced over the replicate group, issued right after the
-    reduce-scatter's wait and waited one bucket later. Copy-in and copy-out are the fixed
+    ``reduce_scatter_depth`` full-size gradient buckets are in flight. A scheme of several stages
+    (``schemes.py``; hybrid sharding: the reduced shard bucket is then all-reduced over the
+    replicate group) issues stage ``s + 1`` right after stage ``s``'s wait and waits it one bucket
+    later. Every bucket is recorded in ``gm.meta[BUCKETS]``. Copy-in and copy-out are the fixed
     operations ``zero3::reduce_copy_in`` / ``reduce_copy_out`` (bodies in ``arithmetic.py``); a
     lone gradient that needs no cast and no padding goes to the collective as it is (a view).
 
@@ -78,49 +69,72 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             buckets[node.meta[BUCKET]].append(node)
     if not buckets:
         return
-    issued: list[tuple[list[fx.Node], fx.Node, fx.Node]] = []
+    issued: list[_Issued] = []
     for index in sorted(buckets):
         order = node_order(graph)
         members = sorted(buckets[index], key=order.__getitem__)
-        first_args = ReduceGradCall.of(members[0]).args
-        if first_args.world_size == 1 and first_args.replicate_size == 1:
-            for marker in members:  # in place: no collective to wait for
+        calls = [ReduceGradCall.of(m) for m in members]
+        first = calls[0]
+        scheme = reduce_scheme(
+            first.spec, first.grad.meta["val"].dtype, first.shard_dtype, traced_copies=fused
+        )
+        record = BucketRecord(
+            kind="reduce",
+            index=index,
+            params=tuple(c.spec.fqn for c in calls),
+            scheme=type(scheme).__name__,
+            groups=(first.spec.group, first.spec.replicate_group),
+        )
+        add_record(gm, record)
+        emit = GraphEmit(graph, record, source=members[0])
+        if not scheme.stages:  # in place: no collective to wait for
+            for marker, call in zip(members, calls):
                 with graph.inserting_before(marker):
-                    shards = _emit_single_rank(graph, index, [marker])
+                    shards = scheme.copy_out(emit, [call.grad], [call.spec], [call.shard_shape])
                 _replace([marker], shards, graph)
             continue
-        last_grad = max((ReduceGradCall.of(m).grad for m in members), key=order.__getitem__)
+        last_grad = max((c.grad for c in calls), key=order.__getitem__)
         with graph.inserting_before(last_grad.next):
-            first_issue, scattered = _emit_issue(graph, index, members, fused)
-        issued.append((members, first_issue, scattered))
+            payloads = scheme.copy_in(emit, [c.grad for c in calls], [c.spec for c in calls])
+            works = scheme.issue(emit, 0, payloads)
+        issued.append(_Issued(members, calls, scheme, emit, emit.created[0], works))
 
     depth = ctx.options.reduce_scatter_depth
     out = output_node(graph)
-    across_replicas = []  # hybrid sharding: (j, members, the all-reduce of the reduced shard)
-    for j, (members, _, collective) in enumerate(issued):
-        anchor = issued[j + depth][1] if j + depth < len(issued) else out
-        args = ReduceGradCall.of(members[0]).args
-        with graph.inserting_before(anchor):
-            waited = _factory(graph, ROLE_REDUCE_WAIT, collective.meta[BUCKET], members)(
-                WAIT, collective
-            )
-            if args.world_size > 1 and args.replicate_size > 1:
-                # the reduced shard bucket's sum over the replicas, overlapped like a bucket
-                summed = _factory(graph, ROLE_REPLICA_ALL_REDUCE, collective.meta[BUCKET], members)(
-                    ALL_REDUCE, waited, "sum", args.replicate_group
-                )
-                across_replicas.append((j, members, summed))
+
+    def issue_of(k: int) -> fx.Node:
+        return issued[k].first if k < len(issued) else out
+
+    # stage s of bucket j is waited right before bucket j + depth + s is issued
+    for stage in range(max((b.scheme.stages for b in issued), default=0)):
+        for j, bucket in enumerate(issued):
+            scheme = bucket.scheme
+            if stage >= scheme.stages:
                 continue
-            shards = _emit_copy_out(graph, members, waited, fused)
-        _replace(members, shards, graph)
-    for j, members, summed in across_replicas:
-        later = j + depth + 1
-        anchor = issued[later][1] if later < len(issued) else out
-        with graph.inserting_before(anchor):
-            waited = _factory(graph, ROLE_REPLICA_WAIT, summed.meta[BUCKET], members)(WAIT, summed)
-            shards = _emit_copy_out(graph, members, waited, fused)
-        _replace(members, shards, graph)
+            with graph.inserting_before(issue_of(j + depth + stage)):
+                waited = scheme.wait(bucket.emit, stage, bucket.works)
+                if stage + 1 < scheme.stages:
+                    bucket.works = scheme.issue(bucket.emit, stage + 1, waited)
+                    continue
+                shards = scheme.copy_out(
+                    bucket.emit, waited, bucket.specs, [c.shard_shape for c in bucket.calls]
+                )
+            _replace(bucket.members, shards, graph)
     graph.lint()
+
+
+@dataclass
+class _Issued:
+    members: list[fx.Node]
+    calls: list[ReduceGradCall]
+    scheme: ReduceScheme
+    emit: GraphEmit
+    first: fx.Node  # the first node of the bucket's copy-in and issue
+    works: list
+
+    @property
+    def specs(self) -> list[ShardSpec]:
+        return [c.spec for c in self.calls]
 
 
 def _replace(members: list[fx.Node], shards: list[fx.Node], graph: fx.Graph) -> None:
@@ -129,81 +143,3 @@ def _replace(members: list[fx.Node], shards: list[fx.Node], graph: fx.Graph) -> 
         marker.replace_all_uses_with(shard)
         graph.erase_node(marker)
         move_users_after(shard, shard, order)
-
-
-def _factory(graph: fx.Graph, role: str, index: int, members: list[fx.Node]) -> NodeFactory:
-    names = tuple(ReduceGradCall.of(m).args.fqn for m in members)
-    return NodeFactory(graph, source=members[0], **{ROLE: role, BUCKET: index, PARAMS: names})
-
-
-def _dtype(call: ReduceGradCall):
-    return call.args.reduce_dtype or call.grad.meta["val"].dtype
-
-
-def _emit_issue(
-    graph: fx.Graph, index: int, members: list[fx.Node], fused: bool
-) -> tuple[fx.Node, fx.Node]:
-    """Copy-in and reduce-scatter; returns (first node emitted, the reduce-scatter)."""
-    calls = [ReduceGradCall.of(m) for m in members]
-    layouts = [c.args.layout for c in calls]
-    dtype = _dtype(calls[0])
-    copy_in = _factory(graph, ROLE_REDUCE_COPY_IN, index, members)
-    first = calls[0].args
-    sizes = arithmetic.sizes(layouts)
-    flat = copy_in.splice(
-        lambda *grads: arithmetic.reduce_input(
-            grads,
-            first.world_size,
-            sizes,
-            dtype,
-            copy_in=arithmetic.reduce_copy_in if fused else REDUCE_COPY_IN,
-        ),
-        [c.grad for c in calls],
-    )
-    if first.world_size == 1:  # replicated, not sharded (a mesh of N x 1): all-reduce
-        collective = _factory(graph, ROLE_REPLICA_ALL_REDUCE, index, members)(
-            ALL_REDUCE, flat, "sum", first.replicate_group
-        )
-    else:
-        collective = _factory(graph, ROLE_REDUCE_SCATTER, index, members)(
-            REDUCE_SCATTER, flat, "sum", first.world_size, first.group_name
-        )
-    return (copy_in.created[0] if copy_in.created else collective), collective
-
-
-def _emit_single_rank(graph: fx.Graph, index: int, members: list[fx.Node]) -> list[fx.Node]:
-    """One rank: the gradient already is the mean; only dtype and shape change."""
-    copy_out = _factory(graph, ROLE_REDUCE_COPY_OUT, index, members)
-    shards = []
-    for call in (ReduceGradCall.of(m) for m in members):
-        fn = functools.partial(
-            arithmetic.single_rank_reduce,
-            reduce_dtype=_dtype(call),
-            shape=list(call.shard_shape),
-            dtype=call.shard_dtype,
-        )
-        shards.append(copy_out.splice(fn, [call.grad]))
-    return shards
-
-
-def _emit_copy_out(
-    graph: fx.Graph, members: list[fx.Node], reduced: fx.Node, fused: bool
-) -> list[fx.Node]:
-    """Per member: this rank's slice of the reduced bucket, divided by the ranks it summed."""
-    calls = [ReduceGradCall.of(m) for m in members]
-    sizes = arithmetic.sizes([c.args.layout for c in calls])
-    shapes = [list(c.shard_shape) for c in calls]
-    divisor = calls[0].args.world_size * calls[0].args.replicate_size
-    dtype = calls[0].shard_dtype  # one per bucket (``bucketing._reduce_traits``)
-
-    def copy_out(r):
-        numels = [math.prod(s) for s in shapes]
-        if fused:
-            flats = arithmetic.reduce_copy_out(r, sizes, numels, divisor, [dtype] * len(sizes))
-        else:
-            flats = REDUCE_COPY_OUT(r, sizes, numels, divisor, dtype)
-        return [x.view(shape) for x, shape in zip(flats, shapes)]
-
-    return _factory(graph, ROLE_REDUCE_COPY_OUT, reduced.meta[BUCKET], members).splice(
-        copy_out, [reduced]
-    )

@@ -6,9 +6,9 @@ import operator
 
 import torch.fx as fx
 
+from ...collectives.ops import is_unshard
 from ..context import PassContext
-from ..ops import is_unshard
-from ..param import UnshardCall
+from ..markers import UnshardCall
 
 # dynamo records tensor methods by name; these return a view of the tensor they are called on
 _VIEW_METHODS = {
@@ -31,7 +31,7 @@ def refuse_param_writes(gm: fx.GraphModule, ctx: PassContext) -> None:
         for node in _aliases(marker):
             for user in node.users:
                 if _writes_first_argument(user) and user.args and user.args[0] is node:
-                    name = UnshardCall.of(marker).args.fqn
+                    name = UnshardCall.of(marker).spec.fqn
                     where = user.meta.get("stack_trace", "").strip().splitlines()
                     raise RuntimeError(
                         f"zero3: the compiled code writes in place to parameter {name!r} "

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..compat import ALL_GATHER
+from ..buckets import name_map, records
 from ..context import PassContext
 from ..graph_facts import is_view, view_root
 from ..graph_utils import move_before, node_order
 from ..node_keys import (
-    BUCKET,
     ROLE,
     ROLE_ALL_GATHER,
     ROLE_GATHER_COPY_IN,
@@ -76,7 +74,7 @@ def prefetch_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     ```
     """
     graph = gm.graph
-    gathers = _collect(graph)
+    gathers = _collect(gm)
     if not gathers:
         return
     order = node_order(graph)
@@ -137,21 +135,27 @@ def _choose_slots(ordered: list[_Gather], depth: int, cap: int | None) -> list[i
     return slots
 
 
-def _collect(graph: fx.Graph) -> dict[int, _Gather]:
-    gathers: dict[int, _Gather] = defaultdict(_Gather)
-    for node in graph.nodes:
-        role = node.meta.get(ROLE)
-        if role in (ROLE_RELOAD, ROLE_RELOAD_WAIT, ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER):
-            gathers[node.meta[BUCKET]].issue.append(node)
-            if node.target is ALL_GATHER:
-                val = node.meta["val"]
-                gathers[node.meta[BUCKET]].nbytes = val.numel() * val.dtype.itemsize
-        elif role == ROLE_GATHER_WAIT:
-            gathers[node.meta[BUCKET]].wait = node
-            gathers[node.meta[BUCKET]].finish.append(node)
-        elif role == ROLE_GATHER_COPY_OUT:
-            gathers[node.meta[BUCKET]].finish.append(node)
-    return {k: g for k, g in gathers.items() if g.wait is not None}
+def _collect(gm: fx.GraphModule) -> dict[int, _Gather]:
+    """Each gather bucket's nodes, from the records ``lower_gathers`` kept."""
+    graph = gm.graph
+    nodes = name_map(graph)
+    order = node_order(graph)
+    gathers: dict[int, _Gather] = {}
+    for record in records(gm, "gather"):
+        waits = record.resolve(nodes, record.waits)
+        if not waits:
+            continue  # one rank: nothing to wait for
+        gather = _Gather()
+        roles = (ROLE_RELOAD, ROLE_RELOAD_WAIT, ROLE_GATHER_COPY_IN, ROLE_ALL_GATHER)
+        gather.issue = sorted(record.role_nodes(nodes, *roles), key=order.__getitem__)
+        gather.wait = min(waits, key=order.__getitem__)
+        finish = record.role_nodes(nodes, ROLE_GATHER_WAIT, ROLE_GATHER_COPY_OUT)
+        gather.finish = sorted(finish, key=order.__getitem__)
+        for node in record.resolve(nodes, record.collectives):
+            val = node.meta["val"]
+            gather.nbytes += val.numel() * val.dtype.itemsize
+        gathers[record.index] = gather
+    return gathers
 
 
 def _first_compute_node(graph: fx.Graph) -> fx.Node:
@@ -183,7 +187,7 @@ def prefetch_reloads(gm: fx.GraphModule, ctx: PassContext) -> None:
     A graph without offloaded shards is unchanged.
     """
     graph = gm.graph
-    gathers = _collect(graph)
+    gathers = _collect(gm)
     if not any(n.meta.get(ROLE) == ROLE_RELOAD for g in gathers.values() for n in g.issue):
         return
     order = node_order(graph)

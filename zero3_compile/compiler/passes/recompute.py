@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ...collectives.ops import UNSHARD
 from ..context import PassContext
 from ..graph_facts import constants, param_derived
 from ..node_keys import PARAM_DERIVED
-from ..ops import UNSHARD
 
 # Larger than any activation-checkpointing region id: the partitioner turns a recompute tag
 # into MUST_SAVE when a tagged user has a larger id (region boundaries), which must never

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..compat import COLLECTIVES, WAIT
+from ...collectives.ops import GUARD, REDUCE_GRAD, RELOAD, UNSHARD
+from ...compat import COLLECTIVES, WAIT
 from ..context import PassContext
 from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
-from ..ops import GUARD, REDUCE_GRAD, RELOAD, UNSHARD
-from ..param import UnshardCall
+from ..markers import UnshardCall
+from ..node_keys import ROLE
 
 
 class ScheduleError(AssertionError):
@@ -25,7 +26,8 @@ def verify(
     - the graph is well formed (``graph.lint``: every use after its definition);
     - every collective has exactly one user, its ``wait_tensor``, and every wait reads a collective;
     - once lowered (``lowered=True``), no marker is left; once guarded (``guarded=True``), a graph
-      with collectives runs exactly one cross-rank guard, before the first of them;
+      with collectives of ours (tagged with a role) runs exactly one cross-rank guard, before the
+      first of them;
     - every gathered buffer of the backward graph dies in it: no gathered parameter, nor anything
       computed from gathered parameters alone, is an output. Codegen (FX and Inductor alike) frees
       a value right after its last use, so this is what "released after last use" requires. (The
@@ -62,9 +64,10 @@ def verify(
                 raise ScheduleError(f"zero3: reload {node.name} must be read through its wait")
         elif lowered and node.target in (UNSHARD, REDUCE_GRAD):
             raise ScheduleError(f"zero3: marker {node.name} survived lowering")
-    if guarded and collectives:
+    ours = [c for c in collectives if c.meta.get(ROLE) is not None]
+    if guarded and ours:
         guards = [n for n in graph.nodes if n.target is GUARD]
-        if len(guards) != 1 or order[guards[0]] > min(order[c] for c in collectives):
+        if len(guards) != 1 or order[guards[0]] > min(order[c] for c in ours):
             raise ScheduleError("zero3: the cross-rank guard must run before the first collective")
     if ctx.graph_kind == "backward":
         derived = param_derived(graph)
@@ -88,7 +91,7 @@ def check_no_gathered_saved(
     saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
 
     def planned(node: fx.Node) -> bool:
-        return node.target is UNSHARD and UnshardCall.of(node).args.fqn in kept
+        return node.target is UNSHARD and UnshardCall.of(node).spec.fqn in kept
 
     gathered = [n.name for n in saved if n in derived and not planned(n)]
     if gathered:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..param import is_sharded
-from ..recording import record_graphs
+from ...compiler.recording import record_graphs
+from ...sharding.state import is_sharded
 from .report import GraphReport, budget_summary, build_report, step_peak_bytes
 
 
@@ -95,7 +95,7 @@ def explain(
     ``loss_fn(output)`` (default: the sum of the floating-point outputs) when the output requires
     grad; the parameters' gradients are restored afterwards. Every rank must call it.
     """
-    from ..backend import zero3_backend
+    from ...compiler.backend import zero3_backend
 
     base = getattr(model, "_orig_mod", None) or getattr(model, "_torchdynamo_orig_callable", model)
     if options is None:

@@ -8,21 +8,27 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
-from ..compat import (
+from ...compat import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
     COLLECTIVES,
     REDUCE_SCATTER,
+    WAIT,
     group_backend,
     resolve_group,
 )
-from ..graph_facts import gathered_values, is_view
-from ..guard import role
-from ..node_keys import BUCKET, PARAMS, ROLE, ROLE_GATHER_COPY_OUT, ROLE_REDUCE_COPY_IN
-from ..ops import RELOAD
-from ..recording import GraphRecord
-from .memory import memory_timeline
+from ...compiler.buckets import name_map, records
+from ...compiler.graph_facts import gathered_values, is_view
+from ...compiler.memory import memory_timeline
+from ...compiler.node_keys import (
+    GROUP_ROLE,
+    ROLE,
+    ROLE_GATHER_COPY_OUT,
+    ROLE_REDUCE_COPY_IN,
+    ROLE_RELOAD,
+)
+from ...compiler.recording import GraphRecord
 
 
 @dataclass
@@ -79,7 +85,7 @@ class GraphReport:
     reductions: list[ReduceInfo] = field(default_factory=list)
     reloads: list[ReloadInfo] = field(default_factory=list)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> count, bytes
-    # group role ("0": the world, "shard", "replicate") -> kind -> bytes: what crosses each group
+    # group role ("shard", "replicate"; a foreign collective's group name) -> kind -> bytes
     group_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     memory: list[int] = field(default_factory=list)  # bytes alive above the start, per node
     peak_bytes: int = 0
@@ -188,48 +194,58 @@ def build_report(record: GraphRecord) -> GraphReport:
         kind=record.kind, graph_id=record.graph_id, num_nodes=len(nodes), node_kinds=kinds
     )
 
-    for node in nodes:
-        if node.target is ALL_GATHER:
-            (wait,) = node.users
-            _, readers = gathered_values(wait)
-            uses = [pos[r] for r in readers if r.meta.get(ROLE) != ROLE_GATHER_COPY_OUT]
-            report.gathers.append(
-                GatherInfo(
-                    bucket=node.meta.get(BUCKET, -1),
-                    params=list(node.meta.get(PARAMS, ())),
-                    bytes=_nbytes(node.meta["val"]),
-                    issue=pos[node],
-                    wait=pos[wait],
-                    first_use=min(uses, default=pos[wait]),
-                    release=max(uses, default=pos[wait]),
-                    compute_ahead=sum(compute[pos[node] + 1 : pos[wait]]),
-                )
+    by_name = name_map(gm.graph)
+    for bucket in records(gm, "gather"):
+        collectives = bucket.resolve(by_name, bucket.collectives)
+        waits = bucket.resolve(by_name, bucket.waits)
+        if not collectives or not waits:
+            continue  # one rank: a cast, no collective
+        readers = set()
+        for wait in waits:
+            readers |= gathered_values(wait)[1]
+        uses = [pos[r] for r in readers if r.meta.get(ROLE) != ROLE_GATHER_COPY_OUT]
+        issue, wait = min(pos[c] for c in collectives), max(pos[w] for w in waits)
+        report.gathers.append(
+            GatherInfo(
+                bucket=bucket.index,
+                params=list(bucket.params),
+                bytes=sum(_nbytes(c.meta["val"]) for c in collectives),
+                issue=issue,
+                wait=wait,
+                first_use=min(uses, default=wait),
+                release=max(uses, default=wait),
+                compute_ahead=sum(compute[issue + 1 : wait]),
             )
-        elif node.target is REDUCE_SCATTER:
-            (wait,) = node.users
-            grads = _gradient_sources(node)
-            report.reductions.append(
-                ReduceInfo(
-                    bucket=node.meta.get(BUCKET, -1),
-                    params=list(node.meta.get(PARAMS, ())),
-                    bytes=_nbytes(node.args[0].meta["val"]),
-                    ready=max((pos[g] for g in grads), default=pos[node]),
-                    issue=pos[node],
-                    wait=pos[wait],
-                    compute_overlapped=sum(compute[pos[node] + 1 : pos[wait]]),
-                )
-            )
-        elif node.target is RELOAD:
-            (wait,) = node.users
+        )
+        for reload in bucket.role_nodes(by_name, ROLE_RELOAD):
+            (reload_wait,) = [u for u in reload.users if u.target is WAIT]
             report.reloads.append(
                 ReloadInfo(
-                    bucket=node.meta.get(BUCKET, -1),
-                    bytes=_nbytes(node.meta["val"]),
-                    issue=pos[node],
-                    wait=pos[wait],
-                    compute_overlapped=sum(compute[pos[node] + 1 : pos[wait]]),
+                    bucket=bucket.index,
+                    bytes=_nbytes(reload.meta["val"]),
+                    issue=pos[reload],
+                    wait=pos[reload_wait],
+                    compute_overlapped=sum(compute[pos[reload] + 1 : pos[reload_wait]]),
                 )
             )
+    for bucket in records(gm, "reduce"):
+        collectives = bucket.resolve(by_name, bucket.collectives)
+        waits = bucket.resolve(by_name, bucket.waits)
+        if not collectives or collectives[0].target is not REDUCE_SCATTER or not waits:
+            continue  # one rank, or replicated parameters (counted as all-reduces below)
+        first, wait = collectives[0], waits[0]
+        grads = _gradient_sources(first)
+        report.reductions.append(
+            ReduceInfo(
+                bucket=bucket.index,
+                params=list(bucket.params),
+                bytes=_nbytes(first.args[0].meta["val"]),
+                ready=max((pos[g] for g in grads), default=pos[first]),
+                issue=pos[first],
+                wait=pos[wait],
+                compute_overlapped=sum(compute[pos[first] + 1 : pos[wait]]),
+            )
+        )
     for gather in report.gathers:
         gather.buckets_ahead = sum(
             1 for other in report.gathers if gather.issue < other.first_use < gather.wait
@@ -250,7 +266,7 @@ def build_report(record: GraphRecord) -> GraphReport:
                 node.target, "all_reduce"
             )
             value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
-            per_group = report.group_bytes.setdefault(role(str(group)), {})
+            per_group = report.group_bytes.setdefault(node.meta.get(GROUP_ROLE, str(group)), {})
             per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
 
     timeline = memory_timeline(

@@ -11,7 +11,7 @@ import atexit
 import logging
 import os
 
-from ..recording import Recorder, listen
+from ...compiler.recording import Recorder, listen
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ each rank, a graph that runs more often on one rank) hangs every rank or, when t
 agree, silently mixes unrelated buffers. gloo even aborts the process when sizes differ.
 
 So before each unit of collectives (a compiled graph's run, an eager gather or reduce-scatter),
-every rank exchanges a small fixed-size record over a side gloo group: what it is about to do
+every rank exchanges a small fixed-size record over a side channel: what it is about to do
 (kind and a code: the digest of a graph's collective sequence, or a parameter's name and shape).
 All records equal: go on. Otherwise every rank raises ``CollectiveMismatchError`` naming what each
 rank was about to do, before any collective of the main group was issued. The check compares
@@ -18,18 +18,26 @@ each rank (``presence``): a parameter gets ``grad is None`` when no rank's loss 
 
 A rank that does not arrive within the timeout (it died, or it is stuck somewhere else) turns
 into an error naming it on the others, instead of a hang.
+
+The side channel of a data-parallel mesh (``SideChannel``) is a gloo communicator of the mesh's
+ranks only, rendezvoused under a store prefix made of those ranks: sharding over one of several
+disjoint groups (one per pipeline stage or tensor-parallel column) needs no other rank. The
+channel is a resource shared by every model sharded over the same ranks (the ranks check in the
+same order whichever model asks); what differs per model, the timeout, belongs to the model's
+runtime (``Guard``), and compiled graphs carry theirs as a literal.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .compat import default_store, group_backend, resolve_group, side_all_gather
+from ..compat import default_store, gloo_side_group, group_backend, side_all_gather
 
 log = logging.getLogger(__name__)
 
@@ -60,50 +68,73 @@ class CollectiveMismatchError(RuntimeError):
     """The ranks were about to issue different collectives (raised on every rank)."""
 
 
-class _GroupGuard:
-    """The side group of one process group, and this rank's running count of checks."""
+class SideChannel:
+    """A gloo communicator over ``ranks`` (global ranks, sorted) and its running check count."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
-        self.group_name = group.group_name
-        self.ranks = dist.get_process_group_ranks(group)
-        self.side = dist.new_group(
-            self.ranks, backend="gloo", timeout=timedelta(seconds=max(timeout_s, 1.0))
-        )
+    def __init__(self, ranks: list[int], timeout_s: float):
+        self.ranks = list(ranks)
+        self.name = "_".join(str(r) for r in self.ranks)
+        self.me = self.ranks.index(dist.get_rank())
+        self.group = gloo_side_group(f"zero3/side/{self.name}", self.ranks, timeout_s)
         self.count = 0
-        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+
+    def exchange(self, record: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        gathered = torch.empty(len(self.ranks) * _WORDS, dtype=torch.int64)
+        side_all_gather(gathered, record, self.group, timeout_s)
+        return gathered.view(len(self.ranks), _WORDS)
 
 
-_guards: dict[str, _GroupGuard] = {}  # process group name -> its guard (torch keeps groups alike)
-_roles: dict[str, str] = {}  # group name -> the role it plays on every rank ("shard"...)
+# (id of the default store, shard group name, replicate group name) -> the mesh's channel.
+# A cache of communicators, like torch's own table of process groups; no timeouts in it.
+_channels: dict[tuple, SideChannel] = {}
+_by_ranks: dict[tuple, SideChannel] = {}
+
+
+def _store_key() -> int:
+    store = default_store()
+    return id(store) if store is not None else 0
+
+
+def open_channel(
+    group_names: tuple[str, str], ranks: list[int], backend_group, timeout_s: float
+) -> SideChannel | None:
+    """The side channel of a data-parallel mesh (``ranks``), created once per process by every
+    rank of the mesh at the same time (a collective call among them); None when no check is
+    needed (one rank, or the ``fake`` process group)."""
+    if len(ranks) <= 1 or group_backend(backend_group) == "fake":
+        return None
+    key = (_store_key(), *group_names)
+    channel = _channels.get(key)
+    if channel is None:
+        by_ranks = (_store_key(), tuple(ranks))
+        channel = _by_ranks.get(by_ranks)
+        if channel is None:
+            channel = SideChannel(ranks, timeout_s)
+            _by_ranks[by_ranks] = channel
+        _channels[key] = channel
+    return channel
+
+
+def channel_of(group: str, replicate_group: str = "") -> SideChannel | None:
+    return _channels.get((_store_key(), group, replicate_group))
+
+
+@dataclass
+class Guard:
+    """A model's cross-rank check: its mesh's channel and its own timeout."""
+
+    channel: SideChannel
+    timeout_s: float
+
+    def check(self, kind, code, label, presence=None, timeout_s=None) -> list[bool] | None:
+        return run_check(self.channel, kind, code, label, presence, timeout_s or self.timeout_s)
+
+
+# --------------------------------------------------------------------------- the check
+
 _labels: dict[tuple[int, int], str] = {}  # (kind, code) -> what this rank knows it to be
 _published: set[tuple[int, int]] = set()
-
-
-def register_group(group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Create the side group of ``group`` (a collective call: every rank of ``group`` at once);
-    for a group that has one, set its default timeout."""
-    if group.group_name in _guards:
-        _guards[group.group_name].timeout_s = timeout_s
-        return
-    if dist.get_world_size(group) == 1:
-        return
-    if group_backend(group) == "fake":
-        return
-    _guards[group.group_name] = _GroupGuard(group, timeout_s)
-
-
-def alias(group: dist.ProcessGroup, checked_by: dist.ProcessGroup, role: str) -> None:
-    """Check ``group``'s collectives on ``checked_by``'s guard (which spans it), and name it by
-    ``role`` in signatures: subgroup names differ from rank to rank."""
-    _roles[group.group_name] = role
-    guard = _guards.get(checked_by.group_name)
-    if guard is not None:
-        _guards[group.group_name] = guard
-
-
-def role(group_name: str) -> str:
-    """What a group is, the same on every rank: its role, or its name (the world's "0")."""
-    return _roles.get(group_name, group_name)
 
 
 def describe(kind: int, code: int, label: str, publish: bool = True) -> None:
@@ -121,50 +152,46 @@ def describe(kind: int, code: int, label: str, publish: bool = True) -> None:
             log.debug("zero3: could not publish the label of %s", key, exc_info=True)
 
 
-def enabled(group_name: str) -> bool:
-    return group_name in _guards
-
-
-def check(
-    group_name: str,
+def run_check(
+    channel: SideChannel | None,
     kind: int,
     code: int,
     label: str,
     presence: list[bool] | None = None,
     timeout_s: float | None = None,
 ) -> list[bool] | None:
-    """Exchange (kind, code) with every rank of the group; raise unless all are equal.
+    """Exchange (kind, code) with every rank of the channel; raise unless all are equal.
 
     Returns, when ``presence`` is given, the element-wise OR of every rank's presence bits.
     """
-    guard = _guards.get(group_name)
-    if guard is None:
+    if channel is None:
         return presence
     describe(kind, code, label, publish=kind not in (KIND_EAGER_GATHER, KIND_EAGER_REDUCE))
-    guard.count += 1
-    record = torch.zeros(_WORDS, dtype=torch.int64)
-    record[0], record[1], record[2], record[3] = _MAGIC, kind, code, guard.count
-    if presence is not None:
-        for word, value in enumerate(_pack(presence)):
-            record[_HEADER + word] = value
-    gathered = torch.empty(len(guard.ranks) * _WORDS, dtype=torch.int64)
-    timeout = guard.timeout_s if timeout_s is None else timeout_s
-    try:
-        side_all_gather(gathered, record, guard.side, timeout)
-    except Exception as error:  # noqa: BLE001  (timeout, or a peer's connection closed)
-        raise CollectiveMismatchError(_lost_peer_message(guard, label, timeout, error)) from error
-    records = gathered.view(len(guard.ranks), _WORDS)
-    me = guard.ranks.index(dist.get_rank())
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    with channel.lock:
+        channel.count += 1
+        count = channel.count
+        record = torch.zeros(_WORDS, dtype=torch.int64)
+        record[0], record[1], record[2], record[3] = _MAGIC, kind, code, count
+        if presence is not None:
+            for word, value in enumerate(_pack(presence)):
+                record[_HEADER + word] = value
+        try:
+            records = channel.exchange(record, timeout)
+        except Exception as error:  # noqa: BLE001  (timeout, or a peer's connection closed)
+            raise CollectiveMismatchError(
+                _lost_peer_message(channel, count, label, timeout, error)
+            ) from error
     mine = (kind, code)
     differing = [
-        i for i in range(len(guard.ranks)) if (int(records[i, 1]), int(records[i, 2])) != mine
+        i for i in range(len(channel.ranks)) if (int(records[i, 1]), int(records[i, 2])) != mine
     ]
     if differing:
-        raise CollectiveMismatchError(_mismatch_message(guard, records, me, differing))
+        raise CollectiveMismatchError(_mismatch_message(channel, records))
     if presence is None:
         return None
     union = [False] * len(presence)
-    for i in range(len(guard.ranks)):
+    for i in range(len(channel.ranks)):
         for j, bit in enumerate(_unpack(records[i, _HEADER:].tolist(), len(presence))):
             union[j] = union[j] or bit
     return union
@@ -197,16 +224,16 @@ def _what(kind: int, code: int) -> str:
     return f"{name} {label}" if label else f"{name} (code {code:#x}, not known on this rank)"
 
 
-def _mismatch_message(guard: _GroupGuard, records: torch.Tensor, me: int, differing) -> str:
+def _mismatch_message(channel: SideChannel, records: torch.Tensor) -> str:
     lines = [
         "zero3: the ranks are about to issue different collectives, which would hang them or mix "
         "unrelated buffers:"
     ]
-    for i, rank in enumerate(guard.ranks):
+    for i, rank in enumerate(channel.ranks):
         kind, code, count = (int(v) for v in records[i, 1:4])
-        you = " (this rank)" if i == me else ""
+        you = " (this rank)" if i == channel.me else ""
         lines.append(f"  rank {rank}{you}, check #{count}: {_what(kind, code)}")
-    kinds = {int(records[i, 1]) for i in range(len(guard.ranks))}
+    kinds = {int(records[i, 1]) for i in range(len(channel.ranks))}
     if kinds & {KIND_EAGER_GATHER, KIND_EAGER_REDUCE}:
         lines.append(
             "Parameters read by code that runs eagerly (an uncompiled model, or code split off by "
@@ -226,9 +253,11 @@ def _mismatch_message(guard: _GroupGuard, records: torch.Tensor, me: int, differ
     return "\n".join(lines)
 
 
-def _lost_peer_message(guard: _GroupGuard, label: str, timeout: float, error: Exception) -> str:
-    alive = _responding_ranks(guard)
-    silent = [r for r in guard.ranks if r not in alive]
+def _lost_peer_message(
+    channel: SideChannel, count: int, label: str, timeout: float, error: Exception
+) -> str:
+    alive = _responding_ranks(channel, count)
+    silent = [r for r in channel.ranks if r not in alive]
     who = f"rank(s) {silent}" if silent else "a peer rank"
     text = str(error)
     if any(sign in text for sign in ("Connection closed", "Connection reset", "Broken pipe")):
@@ -240,18 +269,18 @@ def _lost_peer_message(guard: _GroupGuard, label: str, timeout: float, error: Ex
         ending = "The rank died, is stuck, or is running other code; stopping instead of hanging."
     first = text.splitlines()[0][:300] if text else ""
     return (
-        f"zero3: rank {dist.get_rank()} waited for every rank at check #{guard.count} "
+        f"zero3: rank {dist.get_rank()} waited for every rank at check #{count} "
         f"({label}), but {what} ({type(error).__name__}: {first}). {ending}"
     )
 
 
-def _responding_ranks(guard: _GroupGuard, wait_s: float = 2.0) -> set[int]:
+def _responding_ranks(channel: SideChannel, count: int, wait_s: float = 2.0) -> set[int]:
     """Ranks that answer a roll call in the store within ``wait_s`` (best effort). Every rank
     that lost a peer fails its check at about the same time, so the living answer at once."""
     me = dist.get_rank()
-    alive = roll_call(f"zero3/rollcall/{guard.group_name}/{guard.count}/", guard.ranks, wait_s)
+    alive = roll_call(f"zero3/rollcall/{channel.name}/{count}/", channel.ranks, wait_s)
     if alive is None:  # the store is gone with its host: rank 0 unless torchrun's agent hosts it
-        return {r for r in guard.ranks if r != 0} | {me}
+        return {r for r in channel.ranks if r != 0} | {me}
     return alive | {me}
 
 
@@ -276,7 +305,3 @@ def roll_call(
             time.sleep(0.05)
     except Exception:  # noqa: BLE001
         return None
-
-
-def group_of(group_name: str) -> dist.ProcessGroup:
-    return resolve_group(group_name)

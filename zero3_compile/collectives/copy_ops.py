@@ -1,0 +1,61 @@
+"""Copy-in and copy-out as four fixed operations: what the lowering passes put around a bucket's
+collective by default, so Inductor calls them instead of generating (and, on CPU, compiling) a
+kernel for every bucket's shapes. Their bodies are ``arithmetic.py``'s functions."""
+
+from __future__ import annotations
+
+import torch
+
+from . import arithmetic
+
+
+@torch.library.custom_op("zero3::gather_copy_in", mutates_args=())
+def gather_copy_in(
+    shards: list[torch.Tensor], sizes: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return arithmetic.gather_copy_in(shards, sizes, dtype)
+
+
+@gather_copy_in.register_fake
+def _gather_copy_in_fake(shards, sizes, dtype):
+    return shards[0].new_empty(sum(sizes), dtype=dtype)
+
+
+@torch.library.custom_op("zero3::gather_copy_out", mutates_args=())
+def gather_copy_out(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
+    return arithmetic.gather_copy_out_parts(gathered, world, sizes)
+
+
+@gather_copy_out.register_fake
+def _gather_copy_out_fake(gathered, world, sizes):
+    return [gathered.new_empty((world, size)) for size in sizes]
+
+
+@torch.library.custom_op("zero3::reduce_copy_in", mutates_args=())
+def reduce_copy_in(
+    grads: list[torch.Tensor], world: int, sizes: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return arithmetic.reduce_copy_in(grads, world, sizes, dtype)
+
+
+@reduce_copy_in.register_fake
+def _reduce_copy_in_fake(grads, world, sizes, dtype):
+    return grads[0].new_empty(world * sum(sizes), dtype=dtype)
+
+
+@torch.library.custom_op("zero3::reduce_copy_out", mutates_args=())
+def reduce_copy_out(
+    reduced: torch.Tensor, sizes: list[int], numels: list[int], divisor: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return arithmetic.reduce_copy_out(reduced, sizes, numels, divisor, [dtype] * len(sizes))
+
+
+@reduce_copy_out.register_fake
+def _reduce_copy_out_fake(reduced, sizes, numels, divisor, dtype):
+    return [reduced.new_empty(numel, dtype=dtype) for numel in numels]
+
+
+GATHER_COPY_IN = torch.ops.zero3.gather_copy_in.default
+GATHER_COPY_OUT = torch.ops.zero3.gather_copy_out.default
+REDUCE_COPY_IN = torch.ops.zero3.reduce_copy_in.default
+REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default

@@ -1,0 +1,391 @@
+"""Collective schemes: how one bucket of shards becomes full parameters, and one bucket of full
+gradients becomes gradient shards. One object per lowering (FSDP2's pluggable all-gather and
+Inductor's traced bucket modes play this role).
+
+A scheme is a sequence of steps, each one a call on an ``Emit``:
+
+```
+gather:  copy_in ─► issue ─► wait ─► copy_out                  (one stage)
+reduce:  copy_in ─► issue[0] ─► wait[0] ─► issue[1] ─► wait[1] ─► ... ─► copy_out
+```
+The eager operations (``ops.py``) run the steps back to back on real tensors (``EAGER``); the
+lowering passes run the same steps with an emitter that creates graph nodes, tagged with the
+step's role, and place each step where the schedule wants it (issues early, waits late). So the
+cast, copy-in, collective, copy-out and division exist once, for both.
+
+- ``AllGather``: padded shards all-gathered over the shard group.
+- ``LocalCast``: one rank: the shard is the parameter, cast to the compute dtype.
+- ``ReduceScatter``: a sum reduce-scatter over the shard group, then the division by N;
+  ``HybridReduce`` adds a sum all-reduce of the reduced shards over the replicate group (hybrid
+  sharding: the mean over every rank of the mesh).
+- ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
+- ``LocalReduce``: one rank: only the dtype and the shape change.
+
+``traced_copies`` (option ``fused_copies``): copy-in and copy-out as the ATen ops of
+``arithmetic.py`` traced into the graph for Inductor to fuse, instead of the four fixed operations
+of ``copy_ops.py``. Buckets only share a collective when their schemes' ``key`` is equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..compat import ALL_GATHER as ALL_GATHER_OP
+from ..compat import ALL_REDUCE as ALL_REDUCE_OP
+from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
+from ..compat import WAIT
+from ..sharding.spec import ShardSpec
+from . import arithmetic, copy_ops, roles
+
+
+class Emit:
+    """Runs a scheme's steps now, on real tensors (``EAGER``). The lowering passes subclass it
+    to create graph nodes instead (``in_graph``)."""
+
+    in_graph = False
+
+    def collective(self, role: str, group_role: str, target, *args) -> Any:
+        return target(*args)
+
+    def wait(self, role: str, work) -> Any:
+        return WAIT(work)
+
+    def traced(self, role: str, fn: Callable, inputs: Sequence[Any]) -> Any:
+        return fn(*inputs)
+
+
+EAGER = Emit()
+
+
+def _fixed(emit: Emit, traced_copies: bool) -> bool:
+    """Whether copy-in/copy-out go through the fixed operations (in graphs, unless fused)."""
+    return emit.in_graph and not traced_copies
+
+
+# --------------------------------------------------------------------------- gathers
+
+
+@dataclass(frozen=True)
+class GatherScheme:
+    dtype: torch.dtype  # on the wire and of the full parameters
+
+    communicates: ClassVar[bool] = True
+
+    def key(self) -> tuple:
+        return (type(self).__name__, self.dtype)
+
+    def copy_in(self, emit: Emit, shards: Sequence[Any], specs: Sequence[ShardSpec]) -> list:
+        raise NotImplementedError
+
+    def issue(self, emit: Emit, payloads: list) -> list:
+        raise NotImplementedError
+
+    def wait(self, emit: Emit, works: list) -> list:
+        raise NotImplementedError
+
+    def copy_out(self, emit: Emit, waited: list, specs: Sequence[ShardSpec]) -> list:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AllGather(GatherScheme):
+    group: str = ""
+    world_size: int = 1
+    traced_copies: bool = False
+
+    def key(self) -> tuple:
+        return (*super().key(), self.group, self.world_size, self.traced_copies)
+
+    def copy_in(self, emit, shards, specs):
+        sizes = arithmetic.sizes(specs)
+        dtype = self.dtype
+        fn = copy_ops.GATHER_COPY_IN if _fixed(emit, self.traced_copies) else None
+        copy = fn or arithmetic.gather_copy_in
+
+        def flat(*shards):
+            return arithmetic.gather_input(shards, sizes, dtype, copy_in=copy)
+
+        return [emit.traced(roles.GATHER_COPY_IN, flat, list(shards))]
+
+    def issue(self, emit, payloads):
+        (flat,) = payloads
+        gathered = emit.collective(
+            roles.ALL_GATHER, roles.GROUP_SHARD, ALL_GATHER_OP, flat, self.world_size, self.group
+        )
+        return [gathered]
+
+    def wait(self, emit, works):
+        return [emit.wait(roles.GATHER_WAIT, work) for work in works]
+
+    def copy_out(self, emit, waited, specs):
+        (gathered,) = waited  # (world * bucket_numel,)
+        fixed = _fixed(emit, self.traced_copies)
+        parts = copy_ops.GATHER_COPY_OUT if fixed else arithmetic.gather_copy_out_parts
+        specs = list(specs)
+
+        def fulls(g):
+            return arithmetic.gather_copy_out(g, specs, copy_parts=parts)
+
+        return emit.traced(roles.GATHER_COPY_OUT, fulls, [gathered])
+
+
+@dataclass(frozen=True)
+class LocalCast(GatherScheme):
+    """One rank: the shard is the full parameter; only the dtype may change."""
+
+    communicates: ClassVar[bool] = False
+
+    def copy_in(self, emit, shards, specs):
+        def cast(shard):
+            return arithmetic.single_rank_gather(shard, self.dtype)
+
+        return [emit.traced(roles.GATHER_COPY_IN, cast, [shard]) for shard in shards]
+
+    def issue(self, emit, payloads):
+        return payloads
+
+    def wait(self, emit, works):
+        return works
+
+    def copy_out(self, emit, waited, specs):
+        return waited
+
+
+def gather_scheme(
+    spec: ShardSpec, shard_dtype: torch.dtype, *, traced_copies: bool = False
+) -> GatherScheme:
+    dtype = spec.gather_dtype(shard_dtype)
+    if spec.world_size == 1:
+        return LocalCast(dtype)
+    return AllGather(dtype, spec.group, spec.world_size, traced_copies)
+
+
+def run_gather(scheme: GatherScheme, emit: Emit, shards, specs) -> list:
+    """Every step of a gather, back to back."""
+    works = scheme.issue(emit, scheme.copy_in(emit, shards, specs))
+    return scheme.copy_out(emit, scheme.wait(emit, works), specs)
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+@dataclass(frozen=True)
+class ReduceScheme:
+    dtype: torch.dtype  # the gradients are summed in this dtype
+    shard_dtype: torch.dtype  # the reduced shards are cast back to this one
+    traced_copies: bool = False
+
+    # (issue role, wait role) of each stage; a stage's collectives are waited before the next
+    # stage issues
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def key(self) -> tuple:
+        return (type(self).__name__, self.dtype, self.shard_dtype, self.traced_copies)
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_roles)
+
+    @property
+    def divisor(self) -> int:
+        """How many ranks summed each gradient: the mean divides by it."""
+        return 1
+
+    def copy_in(self, emit: Emit, grads, specs) -> list:
+        sizes = arithmetic.sizes(specs)
+        world, dtype = self._copy_in_world(), self.dtype
+        fixed = _fixed(emit, self.traced_copies)
+        copy = copy_ops.REDUCE_COPY_IN if fixed else arithmetic.reduce_copy_in
+
+        def flat(*grads):
+            return arithmetic.reduce_input(grads, world, sizes, dtype, copy_in=copy)
+
+        return [emit.traced(roles.REDUCE_COPY_IN, flat, list(grads))]
+
+    def _copy_in_world(self) -> int:
+        return 1
+
+    def issue(self, emit: Emit, stage: int, payloads: list) -> list:
+        raise NotImplementedError
+
+    def wait(self, emit: Emit, stage: int, works: list) -> list:
+        role = self.stage_roles[stage][1]
+        return [emit.wait(role, work) for work in works]
+
+    def copy_out(self, emit: Emit, reduced: list, specs, shard_shapes) -> list:
+        (flat,) = reduced  # (bucket_numel,): this rank's rows of every gradient, summed
+        sizes = arithmetic.sizes(specs)
+        shapes = [list(s) for s in shard_shapes]
+        numels = [math.prod(s) for s in shapes]
+        divisor, dtype = self.divisor, self.shard_dtype
+        fixed = _fixed(emit, self.traced_copies)
+
+        def shards(r):
+            if fixed:
+                flats = copy_ops.REDUCE_COPY_OUT(r, sizes, numels, divisor, dtype)
+            else:
+                flats = arithmetic.reduce_copy_out(r, sizes, numels, divisor, [dtype] * len(sizes))
+            return [x.view(shape) for x, shape in zip(flats, shapes)]
+
+        return emit.traced(roles.REDUCE_COPY_OUT, shards, [flat])
+
+
+@dataclass(frozen=True)
+class ReduceScatter(ReduceScheme):
+    group: str = ""
+    world_size: int = 1
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+    )
+
+    def key(self) -> tuple:
+        return (*super().key(), self.group, self.world_size)
+
+    @property
+    def divisor(self) -> int:
+        return self.world_size
+
+    def _copy_in_world(self) -> int:
+        return self.world_size
+
+    def issue(self, emit, stage, payloads):
+        (flat,) = payloads
+        work = emit.collective(
+            roles.REDUCE_SCATTER,
+            roles.GROUP_SHARD,
+            REDUCE_SCATTER_OP,
+            flat,
+            "sum",
+            self.world_size,
+            self.group,
+        )
+        return [work]
+
+
+@dataclass(frozen=True)
+class HybridReduce(ReduceScatter):
+    """Reduce-scatter within the row, then the reduced shards summed across the replicas."""
+
+    replicate_group: str = ""
+    replicate_size: int = 1
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+        (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
+    )
+
+    def key(self) -> tuple:
+        return (*super().key(), self.replicate_group, self.replicate_size)
+
+    @property
+    def divisor(self) -> int:
+        return self.world_size * self.replicate_size
+
+    def issue(self, emit, stage, payloads):
+        if stage == 0:
+            return super().issue(emit, stage, payloads)
+        (flat,) = payloads
+        work = emit.collective(
+            roles.REPLICA_ALL_REDUCE,
+            roles.GROUP_REPLICATE,
+            ALL_REDUCE_OP,
+            flat,
+            "sum",
+            self.replicate_group,
+        )
+        return [work]
+
+
+@dataclass(frozen=True)
+class ReplicaReduce(ReduceScheme):
+    """A mesh of N x 1: parameters are replicated, not sharded: an all-reduce (DDP's)."""
+
+    replicate_group: str = ""
+    replicate_size: int = 1
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REPLICA_ALL_REDUCE, roles.REDUCE_WAIT),
+    )
+
+    def key(self) -> tuple:
+        return (*super().key(), self.replicate_group, self.replicate_size)
+
+    @property
+    def divisor(self) -> int:
+        return self.replicate_size
+
+    def issue(self, emit, stage, payloads):
+        (flat,) = payloads
+        work = emit.collective(
+            roles.REPLICA_ALL_REDUCE,
+            roles.GROUP_REPLICATE,
+            ALL_REDUCE_OP,
+            flat,
+            "sum",
+            self.replicate_group,
+        )
+        return [work]
+
+
+@dataclass(frozen=True)
+class LocalReduce(ReduceScheme):
+    """One rank: the gradient already is the mean; only dtypes and the shape change."""
+
+    def copy_in(self, emit, grads, specs):
+        return list(grads)
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        def shard_of(shape):
+            def shard(grad):
+                return arithmetic.single_rank_reduce(grad, self.dtype, shape, self.shard_dtype)
+
+            return shard
+
+        return [
+            emit.traced(roles.REDUCE_COPY_OUT, shard_of(list(shape)), [grad])
+            for grad, shape in zip(reduced, shard_shapes)
+        ]
+
+
+def reduce_scheme(
+    spec: ShardSpec,
+    grad_dtype: torch.dtype,
+    shard_dtype: torch.dtype,
+    *,
+    traced_copies: bool = False,
+) -> ReduceScheme:
+    dtype = spec.reduce_dtype or grad_dtype
+    if spec.world_size == 1 and spec.replicate_size == 1:
+        return LocalReduce(dtype, shard_dtype)
+    if spec.world_size == 1:
+        return ReplicaReduce(
+            dtype,
+            shard_dtype,
+            traced_copies,
+            replicate_group=spec.replicate_group,
+            replicate_size=spec.replicate_size,
+        )
+    if spec.replicate_size > 1:
+        return HybridReduce(
+            dtype,
+            shard_dtype,
+            traced_copies,
+            group=spec.group,
+            world_size=spec.world_size,
+            replicate_group=spec.replicate_group,
+            replicate_size=spec.replicate_size,
+        )
+    return ReduceScatter(
+        dtype, shard_dtype, traced_copies, group=spec.group, world_size=spec.world_size
+    )
+
+
+def run_reduce(scheme: ReduceScheme, emit: Emit, grads, specs, shard_shapes) -> list:
+    """Every step of a reduction, back to back."""
+    payloads = scheme.copy_in(emit, grads, specs)
+    for stage in range(scheme.stages):
+        payloads = scheme.wait(emit, stage, scheme.issue(emit, stage, payloads))
+    return scheme.copy_out(emit, payloads, specs, shard_shapes)

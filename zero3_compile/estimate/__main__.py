@@ -1,0 +1,3 @@
+from ..tools.estimate import main
+
+raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Parameters and modules assigned to a sharded model after ``shard()``: sharded on assignment."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..sharding.state import ModuleState, ShardedParam, is_sharded, module_state, state_of
+from .classes import base_call, is_sharded_module, make_sharded, reclass
+
+
+def setattr_(self: nn.Module, name: str, value) -> None:
+    from ..runtime.write_through import GatheredParameter
+
+    if isinstance(value, GatheredParameter) and tuple(value.shape) == value.sharded_shape():
+        # ``a.weight = b.weight`` ties: reading b.weight gave b's parameter as a full tensor
+        value = value._zero3_link.state.param
+    if isinstance(value, nn.Module) and not isinstance(value, nn.Parameter):
+        if any(not is_sharded_module(m) for m in value.modules()):
+            shard_submodule(self, name, value)
+    base_call(self, "__setattr__", name, value)
+    if name in self.__dict__.get("_parameters", {}) and value is None:
+        if module_state(self).params.pop(name, None) is not None:
+            reclass(self)
+
+
+def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    from .shard import shard_parameter
+
+    state = module_state(self)
+    if param is not None and not is_sharded(param):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"zero3: cannot assign a DTensor parameter to {state.prefix or '<root>'}.{name}; "
+                "assign a plain nn.Parameter (it is sharded on assignment)"
+            )
+        fqn = f"{state.prefix}.{name}" if state.prefix else name
+        param = shard_parameter(param, fqn, state.root).param
+    base_call(self, "register_parameter", name, param)
+    if param is None:
+        state.params.pop(name, None)
+    else:
+        state.params[name] = state_of(param)
+    reclass(self)
+
+
+def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
+    """A module assigned into a sharded model after ``shard()``: shard it the same way."""
+    from .shard import shard_parameter
+
+    state = module_state(parent)
+    root = state.root
+    prefix = f"{state.prefix}.{name}" if state.prefix else name
+    named = list(child.named_parameters(remove_duplicate=False))
+    canonical = {}
+    for sub_name, param in named:
+        canonical.setdefault(id(param), f"{prefix}.{sub_name}")
+    states: dict[int, ShardedParam] = {}
+    for sub_prefix, sub in child.named_modules():
+        if is_sharded_module(sub):
+            continue
+        own = {}
+        for attr, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            shared = state_of(param) or states.get(id(param))
+            if shared is None:
+                shared = shard_parameter(param, canonical[id(param)], root)
+                states[id(param)] = shared
+            sub._parameters[attr] = shared.param
+            own[attr] = shared
+        full_prefix = f"{prefix}.{sub_prefix}" if sub_prefix else prefix
+        make_sharded(sub, ModuleState(params=own, root=root, prefix=full_prefix))

@@ -1,0 +1,164 @@
+"""The module class swap: every module of a sharded model gets a generated subclass of its class.
+
+- one property per parameter name: reading ``module.weight`` returns the full tensor through the
+  differentiable ``zero3::unshard`` operation, so unmodified forward code runs, eagerly or under
+  ``torch.compile``. The getter is generated with the parameter's id and ``ShardSpec`` literal
+  as constants of its code: read from a closure or an attribute, dynamo would treat the shape
+  integers as inputs and, on a recompile, make them symbolic.
+- ``Zero3Module`` (``module.py``) among its bases: ``isinstance(m, z3.Zero3Module)`` and the
+  methods integrations call.
+- ``__setattr__`` / ``register_parameter`` (``assignment.py``): a parameter or module assigned
+  after ``shard()`` is sharded on assignment; assigning a sharded parameter ties it.
+- ``_apply``: ``model.to()``, ``.half()``, ``.float()`` work on the shards and re-attach the state.
+- ``__reduce_ex__`` (``pickling.py``): ``torch.save(model)`` and ``copy.deepcopy(model)`` rebuild a
+  sharded model instead of failing on an unimportable class.
+- recurrent modules (``rnn.py``) read their weights through the getters for one forward at a time
+  instead of caching full copies in ``_flat_weights``.
+
+The class name stays the original's, so code that looks at ``type(m).__name__`` sees no change.
+Generated classes are shared by modules with the same base class and the same parameter specs
+(the same layer of two instances of a model), so dynamo reuses compiled code across them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..sharding.state import ModuleState, ShardedParam, ShardState, module_state, set_module_state
+from .module import Zero3Module
+
+BASE = "_zero3_base_class"
+
+_classes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def is_sharded_module(module: nn.Module) -> bool:
+    return module_state(module) is not None
+
+
+def base_class(module: nn.Module) -> type:
+    """The module's class as the user defined it (before the swap)."""
+    cls = type(module)
+    return cls.__dict__.get(BASE, cls)
+
+
+def make_sharded(module: nn.Module, state: ModuleState) -> None:
+    set_module_state(module, state)
+    if isinstance(module, nn.RNNBase):
+        module.__dict__.pop("_flat_weights", None)  # full copies of the original weights
+        module.__dict__["_flat_weight_refs"] = []
+    reclass(module)
+
+
+def class_namespace(base: type) -> dict:
+    """The methods every generated class of ``base`` has (parameter properties aside)."""
+    from .assignment import register_parameter, setattr_
+    from .pickling import reduce_ex
+    from .rnn import RNN_METHODS
+
+    namespace = {
+        BASE: base,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__setattr__": setattr_,
+        "register_parameter": register_parameter,
+        "_apply": apply_,
+        "__reduce_ex__": reduce_ex,
+    }
+    if issubclass(base, nn.RNNBase):
+        namespace.update(RNN_METHODS)
+    return namespace
+
+
+def generated_class(base: type, namespace: dict) -> type:
+    # after the base: a method the model defines itself wins over the mixin's
+    bases = (base,) if issubclass(base, Zero3Module) else (base, Zero3Module)
+    return type(base.__name__, bases, namespace)
+
+
+def reclass(module: nn.Module) -> None:
+    """Give ``module`` the generated class matching its base class and its parameters."""
+    base = base_class(module)
+    params = module_state(module).params
+    key = (base, tuple(sorted((attr, s.param_id, s.spec.literal()) for attr, s in params.items())))
+    cls = _classes.get(key)
+    if cls is None:
+        namespace = class_namespace(base)
+        for attr, state in params.items():
+            namespace[attr] = property(_make_getter(attr, state))
+        cls = generated_class(base, namespace)
+        _classes[key] = cls
+    module.__class__ = cls
+
+
+def _make_getter(attr: str, state: ShardedParam):
+    """The property getter of one parameter: ``unshard`` of its local shard.
+
+    Inside a leaf module's forward the full parameter was gathered with the whole block; while
+    gradient sync is off the full gradient goes to the parameter's sink instead of a collective,
+    or the parameter kept gathered is read (``keep_gathered``, accumulation.py).
+    Eager reads return a ``GatheredParameter`` that writes in-place changes back to the shard,
+    with the model's runtime active around the collective (its timeout, its side channel).
+    """
+    param_dtype = state.spec.param_dtype
+    # kept gathered in the shard's dtype (accumulation.py); computed with in param_dtype
+    kept_expr = "kept" if param_dtype is None else f"kept.to({param_dtype!r})"
+    source = (
+        "def get_full_parameter(self):\n"
+        "    module_state = self.__dict__['_zero3']\n"
+        "    scope = module_state.scope\n"
+        f"    if scope is not None and {attr!r} in scope:\n"
+        f"        return scope[{attr!r}]\n"
+        f"    param_state = module_state.params[{attr!r}]\n"
+        "    mode = param_state.state\n"
+        "    sink = None\n"
+        "    if mode is KEPT_GATHERED:\n"
+        "        kept = param_state.kept_full\n"
+        f"        return {kept_expr}\n"
+        "    if mode is ACCUMULATING:\n"
+        "        sink = param_state.grad_sink\n"
+        f"    shard = self._parameters[{attr!r}].to_local()\n"
+        "    if is_compiling():\n"
+        f"        return unshard(shard, {state.param_id}, {state.spec.literal()!r}, sink)\n"
+        "    with param_state.root.active():\n"
+        f"        full = unshard(shard, {state.param_id}, {state.spec.literal()!r}, sink)\n"
+        "    return gathered_parameter(full, param_state)\n"
+    )
+    from ..runtime.write_through import gathered_parameter
+
+    namespace = {
+        "unshard": torch.ops.zero3.unshard.default,
+        "is_compiling": torch.compiler.is_compiling,
+        "gathered_parameter": gathered_parameter,
+        "KEPT_GATHERED": ShardState.KEPT_GATHERED,
+        "ACCUMULATING": ShardState.ACCUMULATING,
+        "torch": torch,
+    }
+    exec(compile(source, f"<zero3 parameter {state.fqn}>", "exec"), namespace)
+    return namespace["get_full_parameter"]
+
+
+def base_call(module: nn.Module, name: str, *args):
+    return getattr(type(module).__dict__[BASE], name)(module, *args)
+
+
+def apply_(self: nn.Module, fn, recurse: bool = True):
+    """``model.to()`` and friends: apply ``fn`` to the shards, re-attach the parameters' states
+    (``swap_tensors`` replaced their contents and attributes)."""
+    result = base_call(self, "_apply", fn, recurse)
+    for attr, state in module_state(self).params.items():
+        param = self._parameters.get(attr)
+        if param is None:
+            continue
+        if not isinstance(param, DTensor) or tuple(param.shape) != state.full_shape:
+            raise RuntimeError(
+                f"zero3: {state.fqn} is no longer a sharded parameter of shape "
+                f"{state.full_shape} after module._apply(); only dtype and device changes are "
+                "supported on a sharded model"
+            )
+        state.attach(param)
+    return result

@@ -1,0 +1,53 @@
+"""``state_dict()`` / ``load_state_dict()`` of a model with offloaded shards: ``state_dict()``
+returns loaded copies, ``load_state_dict()`` loads the shards, copies in, and stores the new
+values (DCP goes through both). What a running load holds is the model runtime's own."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..offload.params import load_shards, loaded, store_shards
+from ..sharding.state import module_state
+
+
+def install_offload_state_dict_hooks(model: nn.Module) -> None:
+    for module in model.modules():
+        state = module_state(module)
+        if state is None or not any(p.offload is not None for p in state.params.values()):
+            continue
+        module.register_state_dict_post_hook(_state_dict_copies)
+        module._register_load_state_dict_pre_hook(_load_into_offloaded, with_module=True)
+    model.register_load_state_dict_post_hook(_store_after_load)
+
+
+def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
+    for attr, param_state in module_state(module).params.items():
+        key = prefix + attr
+        if param_state.offload is None or key not in state_dict:
+            continue
+        with loaded([param_state], write_back=False):
+            local = param_state.local().clone()
+        param = param_state.param
+        state_dict[key] = DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+
+def _load_into_offloaded(module, state_dict, prefix, *args) -> None:
+    own = module_state(module)
+    states = [p for p in own.params.values() if p.offload is not None]
+    load_shards(states)
+    own.root.pending_loads.extend(states)
+
+
+def _store_after_load(module, incompatible_keys) -> None:
+    root = module_state(module).root
+    states = list({id(s): s for s in root.pending_loads}.values())
+    root.pending_loads.clear()
+    store_shards(states)

@@ -1,0 +1,2 @@
+"""What a sharded parameter is: its geometry (``spec.py``), the data-parallel mesh and its roles
+(``mesh.py``), and the per-parameter and per-module state (``state.py``)."""

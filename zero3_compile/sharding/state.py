@@ -1,0 +1,163 @@
+"""What zero3 keeps about one sharded parameter (``ShardedParam``) and one module (``ModuleState``).
+
+A parameter is in one of three states (``ShardState``), changed only through
+``ShardedParam.transition``, which refuses any other change:
+
+```
+             set_requires_gradient_sync(False)
+  SHARDED  ───────────────────────────────────►  ACCUMULATING   full gradients go to the sink
+     ▲  ▲  ◄───────────────────────────────────      │          (no reduce-scatter)
+     │  │       set_requires_gradient_sync(True)     │ keep_gathered=True
+     │  │                                            ▼
+     │  └──────────────────────────────────────  KEPT_GATHERED  the full parameter is kept;
+     │       set_requires_gradient_sync(True):                  its .grad accumulates
+     │       reduce-scatter, free the full tensor
+     └── (keep_gathered=True straight from SHARDED)
+```
+Where the shard's values are (in memory or in an offload store) is the offload record's own state
+(``offload.params.Residency``).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .spec import ShardSpec
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    ACCUMULATING = "accumulating"
+    KEPT_GATHERED = "kept_gathered"
+
+
+_ALLOWED = {
+    ShardState.SHARDED: {ShardState.ACCUMULATING, ShardState.KEPT_GATHERED},
+    ShardState.ACCUMULATING: {ShardState.SHARDED, ShardState.KEPT_GATHERED},
+    ShardState.KEPT_GATHERED: {ShardState.SHARDED},
+}
+
+_STATE_ATTR = "_zero3_state"
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """Everything zero3 keeps about one sharded parameter (FSDP2's ``FSDPParam`` plays this role).
+
+    Reached through ``state_of(param)``. The parameter itself stays an ordinary ``nn.Parameter``
+    holding a ``DTensor``; this record is attached to it and re-attached when ``model.to()`` or
+    ``model.half()`` swap the parameter's contents.
+    """
+
+    param_id: int  # stable across ranks and model instances: see ``param_id_of``
+    spec: ShardSpec
+    rank: int  # this rank's index in the shard group: which rows it holds
+    param: nn.Parameter = field(repr=False)
+    root: Any = field(default=None, repr=False)  # runtime.root.Zero3Runtime of its shard() call
+    state: ShardState = ShardState.SHARDED
+    offload: Any = field(default=None, repr=False)  # offload.params.OffloadedShard
+    # ACCUMULATING / KEPT_GATHERED: the zero-strided leaf receiving full gradients
+    grad_sink: torch.Tensor | None = field(default=None, repr=False)
+    # KEPT_GATHERED: the full parameter, in the shard's dtype; its .grad accumulates
+    kept_full: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def fqn(self) -> str:
+        return self.spec.fqn
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def requires_sync(self) -> bool:
+        return self.state is ShardState.SHARDED
+
+    def transition(self, new: ShardState) -> None:
+        """Move to ``new``; anything but the changes drawn in the module docstring is a bug."""
+        if new is self.state:
+            return
+        if new not in _ALLOWED[self.state]:
+            raise AssertionError(
+                f"zero3: {self.fqn!r} cannot go from {self.state.name} to {new.name}"
+            )
+        if new is ShardState.KEPT_GATHERED:
+            assert self.kept_full is not None, "keep the full parameter before the transition"
+        if self.state is ShardState.KEPT_GATHERED:
+            assert self.kept_full is None, "release the full parameter before the transition"
+        self.state = new
+
+    def local(self) -> torch.Tensor:
+        """This rank's shard (a plain tensor sharing the parameter's storage)."""
+        return self.param.to_local()
+
+    def attach(self, param: nn.Parameter) -> None:
+        self.param = param
+        param.__dict__[_STATE_ATTR] = self
+
+    def __reduce__(self):
+        # pickling a sharded model rebuilds fresh states (frontend/pickling.py)
+        return (_detached_state, ())
+
+
+def _detached_state() -> None:
+    return None
+
+
+def param_id_of(fqn: str, full_shape) -> int:
+    """The stable id of a parameter: 31 bits of its name and shape. Equal on every rank and in
+    every instance of the same model (so compiled code is shared); the shard input tells
+    instances apart where it matters (dedupe)."""
+    return zlib.crc32(f"{fqn}:{list(full_shape)}".encode()) & 0x7FFFFFFF
+
+
+def state_of(param: Any) -> ShardedParam | None:
+    """The ``ShardedParam`` of a sharded parameter, None for anything else."""
+    if not isinstance(param, torch.Tensor):
+        return None
+    state = getattr(param, "__dict__", {}).get(_STATE_ATTR)
+    return state if isinstance(state, ShardedParam) and state.param is param else None
+
+
+def is_sharded(param: Any) -> bool:
+    return state_of(param) is not None
+
+
+# --------------------------------------------------------------------------- per-module state
+
+_MODULE_ATTR = "_zero3"
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """What zero3 keeps about one module of a sharded model (in its ``__dict__``).
+
+    params: the module's own sharded parameters by attribute name.
+    scope: full parameters gathered for the running forward of an enclosing leaf module
+        (``set_leaf_modules``), by attribute name; None outside of one.
+    root: the runtime of the ``shard()`` call (``runtime.root.Zero3Runtime``), shared.
+    prefix: this module's qualified name under the root.
+    """
+
+    params: dict[str, ShardedParam] = field(default_factory=dict)
+    scope: dict[str, torch.Tensor] | None = None
+    root: Any = None
+    prefix: str = ""
+
+    def __reduce__(self):
+        return (_detached_state, ())
+
+
+def module_state(module: Any) -> ModuleState | None:
+    state = getattr(module, "__dict__", {}).get(_MODULE_ATTR)
+    return state if isinstance(state, ModuleState) else None
+
+
+def set_module_state(module: Any, state: ModuleState) -> None:
+    module.__dict__[_MODULE_ATTR] = state
