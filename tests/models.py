@@ -162,3 +162,23 @@ class GraphBreakGPT(GPT):
 def _eager_scale(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     """Runs eagerly between two compiled graphs, and reads a sharded parameter there."""
     return x * norm.weight.mean()
+
+
+class TwoOutputs(nn.Module):
+    """Two outputs; the second block's parameters flow into the second only (so the backend
+    gates them: their gradient may be absent when that output is unused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 12)
+        self.b = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor):
+        h = torch.tanh(self.a(x))
+        return h.square().mean(), self.b(h)
+
+
+def two_outputs_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    first, second = model(x)
+    return first + F.mse_loss(second.float(), y)

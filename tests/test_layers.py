@@ -1,7 +1,7 @@
 """The package's layers import only the layers beneath them (read from the source, no imports run).
 
-sharding -> offload -> runtime -> collectives -> compiler -> frontend -> io -> tools ->
-integrations: a module may import its own layer and those before it. So the tools and the
+sharding -> offload -> runtime -> collectives -> compiler -> frontend -> io -> tools -> hf (the
+integrations): a module may import its own layer and those before it. So the tools and the
 integrations are never imported by the core, and the compiler never imports the frontend.
 ``compat.py`` (torch version differences) is beneath everything; the package's ``__init__`` and the
 command-line aliases (``inspect/``, ``estimate/``) are the public face and may import anything.
@@ -25,7 +25,7 @@ LAYERS = [
     "frontend",
     "io",
     "tools",
-    "integrations",
+    "hf",
 ]
 PUBLIC_FACE = {"__init__", "inspect", "estimate"}
 
@@ -106,3 +106,16 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     )
     found = _imported(["sharding", "probe"], str(source))
     assert found == {"compiler.backend", "tools.inspect"}
+
+
+def test_the_core_package_does_not_import_the_hugging_face_stack():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, zero3_compile; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'safetensors') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -14,7 +14,17 @@ import zero3_compile as z3
 from zero3_compile.compiler.recording import record_graphs
 
 from .graph_checks import analyze
-from .models import GPT, FrozenMLP, GraphBreakGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
+from .models import (
+    GPT,
+    FrozenMLP,
+    GraphBreakGPT,
+    TwoOutputs,
+    gpt_batch,
+    gpt_loss,
+    mlp_batch,
+    mlp_loss,
+    two_outputs_loss,
+)
 
 PER_RANK_BATCH = 2
 
@@ -27,6 +37,8 @@ def build(model_name: str):
         return GraphBreakGPT(), gpt_loss, gpt_batch
     if model_name == "mlp":
         return FrozenMLP(), mlp_loss, mlp_batch
+    if model_name == "two_outputs":
+        return TwoOutputs(), two_outputs_loss, mlp_batch
     raise ValueError(model_name)
 
 

@@ -6,8 +6,8 @@ cmodel = torch.compile(model, backend="zero3")     # options={...}: see zero3_co
 The public API, nothing else. The layers underneath, each importing only those before it:
 sharding (what a sharded parameter is) -> offload -> runtime (the cross-rank check, a model's
 runtime) -> collectives (schemes, ops) -> compiler (backend, passes) -> frontend (shard, module
-classes) -> io (checkpoints, state dicts); tools (inspection, estimates) and integrations import
-the core, never the reverse.
+classes) -> io (checkpoints, state dicts); tools (inspection, estimates) and hf (the Hugging Face
+integration: ``from zero3_compile import hf``) import the core, never the reverse.
 """
 
 from .collectives import ops as _ops  # noqa: F401  (registers the zero3:: operators)
@@ -16,6 +16,7 @@ from .compiler.backend import zero3_backend
 from .compiler.options import Options
 from .compiler.recording import record_graphs
 from .frontend.accumulation import set_requires_gradient_sync
+from .frontend.gathered import gathered
 from .frontend.leaves import set_leaf_modules
 from .frontend.mixed_precision import MixedPrecision
 from .frontend.module import Zero3Module
@@ -49,6 +50,7 @@ __all__ = [
     "estimate_memory",
     "explain",
     "full_state_dict",
+    "gathered",
     "load_checkpoint",
     "load_full_state_dict",
     "load_rank_state",

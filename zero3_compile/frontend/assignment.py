@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..sharding.state import ModuleState, ShardedParam, is_sharded, module_state, state_of
+from ..sharding.state import (
+    ModuleState,
+    ShardedParam,
+    ShardState,
+    is_sharded,
+    module_state,
+    state_of,
+)
 from .classes import base_call, is_sharded_module, make_sharded, reclass
+from .loading import adopt
 
 
 def setattr_(self: nn.Module, name: str, value) -> None:
@@ -28,6 +36,11 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
     from .shard import shard_parameter
 
     state = module_state(self)
+    own = state.params.get(name)
+    if own is not None and own.state is ShardState.LOADING and param is not None:
+        if not is_sharded(param):  # a loader hands this rank's values as a parameter
+            adopt(own, param)
+            return
     if param is not None and not is_sharded(param):
         if isinstance(param, DTensor):
             raise ValueError(

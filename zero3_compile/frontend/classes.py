@@ -100,7 +100,9 @@ def _make_getter(attr: str, state: ShardedParam):
 
     Inside a leaf module's forward the full parameter was gathered with the whole block; while
     gradient sync is off the full gradient goes to the parameter's sink instead of a collective,
-    or the parameter kept gathered is read (``keep_gathered``, accumulation.py).
+    or the parameter kept gathered is read (``keep_gathered``, accumulation.py); inside
+    ``z3.gathered`` the parameter gathered for it; while a loader works on the shards
+    (``ShardState.LOADING``), the sharded parameter itself.
     Eager reads return a ``GatheredParameter`` that writes in-place changes back to the shard,
     with the model's runtime active around the collective (its timeout, its side channel).
     """
@@ -116,10 +118,16 @@ def _make_getter(attr: str, state: ShardedParam):
         f"    param_state = module_state.params[{attr!r}]\n"
         "    mode = param_state.state\n"
         "    sink = None\n"
-        "    if mode is KEPT_GATHERED:\n"
-        "        kept = param_state.kept_full\n"
-        f"        return {kept_expr}\n"
-        "    if mode is ACCUMULATING:\n"
+        "    if mode is not SHARDED:\n"
+        "        if mode is KEPT_GATHERED:\n"
+        "            kept = param_state.kept_full\n"
+        f"            return {kept_expr}\n"
+        "        if mode is GATHERED:\n"
+        "            if is_compiling():\n"
+        "                return param_state.kept_full\n"
+        "            return gathered_parameter(param_state.kept_full, param_state)\n"
+        "        if mode is LOADING:\n"
+        f"            return self._parameters[{attr!r}]\n"
         "        sink = param_state.grad_sink\n"
         f"    shard = self._parameters[{attr!r}].to_local()\n"
         "    if is_compiling():\n"
@@ -134,8 +142,10 @@ def _make_getter(attr: str, state: ShardedParam):
         "unshard": torch.ops.zero3.unshard.default,
         "is_compiling": torch.compiler.is_compiling,
         "gathered_parameter": gathered_parameter,
+        "SHARDED": ShardState.SHARDED,
         "KEPT_GATHERED": ShardState.KEPT_GATHERED,
-        "ACCUMULATING": ShardState.ACCUMULATING,
+        "GATHERED": ShardState.GATHERED,
+        "LOADING": ShardState.LOADING,
         "torch": torch,
     }
     exec(compile(source, f"<zero3 parameter {state.fqn}>", "exec"), namespace)

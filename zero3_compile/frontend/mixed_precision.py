@@ -48,19 +48,61 @@ def _cast_floating(dtype: torch.dtype):
     return cast
 
 
-def install_hooks(root: nn.Module, policy: MixedPrecision) -> None:
-    """Cast the root module's floating inputs / outputs as the policy says (forward hooks)."""
-    if policy.cast_forward_inputs and policy.param_dtype is not None:
+def install_hooks(root: nn.Module, runtime) -> None:
+    """Cast the root module's floating inputs / outputs as the model's policy says (forward hooks
+    that read ``runtime.policy`` at each call, so ``set_mixed_precision`` can change it)."""
+    root.register_forward_pre_hook(_CastInputs(runtime), with_kwargs=True)
+    root.register_forward_hook(_CastOutputs(runtime))
+
+
+class _CastInputs:
+    """A forward pre-hook (a class, so that a model with it pickles)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def __call__(self, module, args, kwargs):
+        policy = self.runtime.policy
+        if not policy.cast_forward_inputs or policy.param_dtype is None:
+            return None
         cast_in = _cast_floating(policy.param_dtype)
+        return tree_map(cast_in, args), tree_map(cast_in, kwargs)
 
-        def cast_inputs(module, args, kwargs):
-            return tree_map(cast_in, args), tree_map(cast_in, kwargs)
 
-        root.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-    if policy.output_dtype is not None:
-        cast_out = _cast_floating(policy.output_dtype)
+class _CastOutputs:
+    def __init__(self, runtime):
+        self.runtime = runtime
 
-        def cast_outputs(module, args, output):
-            return tree_map(cast_out, output)
+    def __call__(self, module, args, output):
+        policy = self.runtime.policy
+        if policy.output_dtype is None:
+            return None
+        return tree_map(_cast_floating(policy.output_dtype), output)
 
-        root.register_forward_hook(cast_outputs)
+
+def set_mixed_precision(model: nn.Module, policy: MixedPrecision) -> None:
+    """Give a sharded model another mixed-precision policy (compiled code recompiles)."""
+    from dataclasses import replace
+
+    from ..sharding.state import ShardState, module_state
+    from .classes import reclass
+    from .loading import sharded_states
+
+    policy.validate()
+    states = sharded_states(model)
+    busy = [s for s in states if s.state is not ShardState.SHARDED]
+    if busy:
+        raise RuntimeError(
+            f"zero3: cannot change the mixed-precision policy while {busy[0].fqn!r} is "
+            f"{busy[0].state.name}"
+        )
+    runtimes = {id(s.root): s.root for s in states}
+    for runtime in runtimes.values():
+        runtime.policy = policy
+    for state in states:
+        state.spec = replace(
+            state.spec, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
+        )
+    for module in model.modules():
+        if module_state(module) is not None:
+            reclass(module)

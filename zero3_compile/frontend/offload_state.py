@@ -14,7 +14,7 @@ from ..sharding.state import module_state
 def install_offload_state_dict_hooks(model: nn.Module) -> None:
     for module in model.modules():
         state = module_state(module)
-        if state is None or not any(p.offload is not None for p in state.params.values()):
+        if state is None or not state.params:
             continue
         module.register_state_dict_post_hook(_state_dict_copies)
         module._register_load_state_dict_pre_hook(_load_into_offloaded, with_module=True)

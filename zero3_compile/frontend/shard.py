@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..compat import group_backend
-from ..offload.params import Offload, offload_model
+from ..offload.params import Offload, offload_model, open_store
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import watch_optimizers
 from ..runtime.root import Zero3Runtime
@@ -97,17 +97,19 @@ def shard(
             sub._parameters[attr] = state.param
             own[attr] = state
         owned.append((prefix, sub, own))
-    offloading = root.offload is not None and named and named[0][1].device.type != "meta"
-    if offloading:  # before the classes are made: the specs say the shards are offloaded
-        offload_model(root, list(states.values()), root.offload, device)
+    if root.offload is not None:  # before the classes are made: the specs say so
+        if first_device.type == "meta":  # filled by materialize() or a loader, shard by shard
+            root.offload_store = open_store(root, root.offload, device)
+        else:
+            offload_model(root, list(states.values()), root.offload, device)
         for state in states.values():
             state.spec = dp.spec(state.fqn, state.full_shape, policy, offloaded=True)
         watch_optimizers()
     for prefix, sub, own in owned:
         make_sharded(sub, ModuleState(params=own, root=root, prefix=prefix))
-    install_hooks(module, policy)
+    install_hooks(module, root)
     set_leaf_modules(module, list(leaf_modules or ()) + detected_leaves(module))
-    if offloading:
+    if root.offload is not None:
         install_offload_state_dict_hooks(module)
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..frontend.classes import base_class
+from ..offload.params import loaded, register_loaded
 from ..sharding.state import module_state, state_of
 
 
@@ -108,5 +109,9 @@ def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.dev
         )
         torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
         state.attach(param)
+    elif state.offload is not None:
+        with loaded([state], write_back=True):
+            param.to_local().copy_(local)
     else:
         param.to_local().copy_(local)
+    register_loaded(state)  # with offload: into the store, out of memory

@@ -262,11 +262,11 @@ def store_shards(states: Iterable) -> None:
 # --------------------------------------------------------------------------- setting up
 
 
-def offload_model(root, states: list, offload: Offload, device: torch.device) -> None:
-    """Create the store and evict every shard of ``states``; every rank raises if any rank failed
-    (an unwritable path or a full disk on one rank must not leave the others waiting)."""
+def open_store(root, offload: Offload, device: torch.device):
+    """The offload store of a model's parameter shards; every rank raises if any rank failed (an
+    unwritable path or a full disk on one rank must not leave the others waiting)."""
     offload.validate(device)
-    failure = None
+    failure, store = None, None
     try:
         store = (
             HostStore()
@@ -279,8 +279,19 @@ def offload_model(root, states: list, offload: Offload, device: torch.device) ->
                 o_direct=offload.o_direct,
             )
         )
+    except OffloadError as error:
+        failure = error
+    _agree(root.dp.shard_group, failure)
+    return store
+
+
+def offload_model(root, states: list, offload: Offload, device: torch.device) -> None:
+    """Open the store and evict every shard of ``states`` into it (see ``open_store``)."""
+    root.offload_store = open_store(root, offload, device)
+    failure = None
+    try:
         for state in states:
-            register(state, store, offload.poison)
+            register(state, root.offload_store, offload.poison)
     except OffloadError as error:
         failure = error
     _agree(root.dp.shard_group, failure)
@@ -290,6 +301,16 @@ def offload_model(root, states: list, offload: Offload, device: torch.device) ->
         sum(s.offload.nbytes for s in states) / 2**20,
         offload.params,
     )
+
+
+def register_loaded(state) -> None:
+    """A shard that just received its values (``materialize``, a loader): into the model's
+    offload store, if it has one, and out of memory."""
+    root = state.root
+    store = getattr(root, "offload_store", None)
+    if store is None or state.offload is not None:
+        return
+    register(state, store, root.offload.poison)
 
 
 def _agree(group, failure: Exception | None) -> None:

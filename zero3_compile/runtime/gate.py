@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..compat import compiled_function_offset, is_compiled_function_node
-from ..sharding.state import state_of
+from ..sharding.state import ShardState, state_of
 from . import guard
 from .write_through import GatheredParameter
 
@@ -115,15 +115,31 @@ class GatedCall:
         self._gated: list[tuple[int, frozenset[int]]] | None = None
 
     def _plan(self, args) -> list[tuple[int, frozenset[int]]]:
+        """The inputs whose gradient may be structurally absent: sharded parameters, or while
+        gradient sync is off (this graph is then compiled for that state) their sinks, which
+        receive the gradient instead. A parameter in that state is never gated itself: its
+        shard gets no gradient from the graph, and AOTAutograd hands a gated shard input its
+        sink's gradient (a full-size plain tensor in the parameter's .grad)."""
         deps = self.compile_ctx.gradient_dependencies
         with_tangents = frozenset(j for d in deps.values() if d is not None for j in d)
         if len({id(a) for a in args}) != len(args):  # duplicated inputs: indices are ambiguous
             return []
+        sinks = {}
+        for arg in args:
+            state = state_of(arg)
+            if state is not None and state.grad_sink is not None:
+                sinks[id(state.grad_sink)] = state
         gated = []
         for index, outputs in sorted(deps.items()):
             if outputs is None or index >= len(args) or outputs == with_tangents:
                 continue
-            if state_of(args[index]) is not None and args[index].requires_grad:
+            arg = args[index]
+            if not getattr(arg, "requires_grad", False):
+                continue
+            state = state_of(arg)
+            if state is not None and state.state is ShardState.SHARDED:
+                gated.append((index, outputs))
+            elif state is None and id(arg) in sinks:
                 gated.append((index, outputs))
         return gated
 

@@ -1,6 +1,6 @@
 """What zero3 keeps about one sharded parameter (``ShardedParam``) and one module (``ModuleState``).
 
-A parameter is in one of three states (``ShardState``), changed only through
+A parameter is in one of these states (``ShardState``), changed only through
 ``ShardedParam.transition``, which refuses any other change:
 
 ```
@@ -13,6 +13,11 @@ A parameter is in one of three states (``ShardState``), changed only through
      │       set_requires_gradient_sync(True):                  its .grad accumulates
      │       reduce-scatter, free the full tensor
      └── (keep_gathered=True straight from SHARDED)
+
+  SHARDED ◄──► GATHERED   z3.gathered(model): the full parameter (no gradient) is read, for
+                          inference; writes to it reach the shard
+  SHARDED ◄──► LOADING    a loader works on the shards: reading module.weight gives the sharded
+                          parameter itself, assigning one adopts its values (integrations/hf)
 ```
 Where the shard's values are (in memory or in an offload store) is the offload record's own state
 (``offload.params.Residency``).
@@ -35,13 +40,23 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"
     ACCUMULATING = "accumulating"
     KEPT_GATHERED = "kept_gathered"
+    GATHERED = "gathered"
+    LOADING = "loading"
 
 
 _ALLOWED = {
-    ShardState.SHARDED: {ShardState.ACCUMULATING, ShardState.KEPT_GATHERED},
+    ShardState.SHARDED: {
+        ShardState.ACCUMULATING,
+        ShardState.KEPT_GATHERED,
+        ShardState.GATHERED,
+        ShardState.LOADING,
+    },
     ShardState.ACCUMULATING: {ShardState.SHARDED, ShardState.KEPT_GATHERED},
     ShardState.KEPT_GATHERED: {ShardState.SHARDED},
+    ShardState.GATHERED: {ShardState.SHARDED},
+    ShardState.LOADING: {ShardState.SHARDED},
 }
+_HOLDS_FULL = (ShardState.KEPT_GATHERED, ShardState.GATHERED)
 
 _STATE_ATTR = "_zero3_state"
 
@@ -64,7 +79,8 @@ class ShardedParam:
     offload: Any = field(default=None, repr=False)  # offload.params.OffloadedShard
     # ACCUMULATING / KEPT_GATHERED: the zero-strided leaf receiving full gradients
     grad_sink: torch.Tensor | None = field(default=None, repr=False)
-    # KEPT_GATHERED: the full parameter, in the shard's dtype; its .grad accumulates
+    # KEPT_GATHERED: the full parameter, in the shard's dtype; its .grad accumulates.
+    # GATHERED: the full parameter in the compute dtype, without gradient
     kept_full: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -87,9 +103,9 @@ class ShardedParam:
             raise AssertionError(
                 f"zero3: {self.fqn!r} cannot go from {self.state.name} to {new.name}"
             )
-        if new is ShardState.KEPT_GATHERED:
+        if new in _HOLDS_FULL:
             assert self.kept_full is not None, "keep the full parameter before the transition"
-        if self.state is ShardState.KEPT_GATHERED:
+        if self.state in _HOLDS_FULL:
             assert self.kept_full is None, "release the full parameter before the transition"
         self.state = new
 

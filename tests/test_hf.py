@@ -1,0 +1,531 @@
+"""The Hugging Face stack over zero3 (2 gloo ranks): loading into shards and saving a normal
+folder (GPT-2 tied, Llama, Mixtral experts, several files), missing keys, offload, bad
+checkpoints raised on every rank, ``z3hf.Trainer`` against the plain ``Trainer`` (losses,
+parameters, accumulation, resume, best model), ``generate``, and the loader's memory bound."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from .dist_utils import run_ranks
+from .hf_models import token_data, without, write
+
+KINDS = ("gpt2", "llama", "mixtral")
+
+
+@functools.cache
+def folder() -> str:
+    return tempfile.mkdtemp(prefix="zero3-hf-tests-")
+
+
+@functools.cache
+def checkpoints() -> dict[str, str]:
+    return {kind: write(os.path.join(folder(), kind), kind) for kind in KINDS}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+# ------------------------------------------------------------------------ load and save
+
+
+def _round_trips(rank, world, paths, out_root):
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    auto = transformers.AutoModelForCausalLM
+    out = {}
+    for kind, path in paths.items():
+        model = z3hf.from_pretrained(auto, path)
+        plain = auto.from_pretrained(path)
+        out[f"{kind} load"] = _max_diff(z3.full_state_dict(model), plain.state_dict())
+        out[f"{kind} sharded"] = all(
+            p.to_local().shape[0] < p.shape[0] or p.shape[0] == 1 for p in model.parameters()
+        )
+        target = os.path.join(out_root, kind)
+        z3hf.save_pretrained(model, target, max_shard_size="30KB")
+        dist.barrier()
+        again = auto.from_pretrained(target)
+        out[f"{kind} save"] = _max_diff(again.state_dict(), plain.state_dict())
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            original = sorted(json.load(f)["weight_map"])
+        with open(os.path.join(target, "model.safetensors.index.json")) as f:
+            out[f"{kind} same keys"] = sorted(json.load(f)["weight_map"]) == original
+        out[f"{kind} files"] = sorted(os.listdir(target))
+    # a checkpoint without the (untied) head: initialised by _init_weights from rank 0's random
+    # state on every rank, as a single process seeded like rank 0 does
+    headless = os.path.join(out_root, "llama-headless")
+    if rank == 0:
+        without(paths["llama"], headless, "lm_head.weight")
+    dist.barrier()
+    torch.manual_seed(1234)
+    plain = auto.from_pretrained(headless)
+    torch.manual_seed(1234 + 1000 * rank)
+    model = z3hf.from_pretrained(auto, headless)
+    out["missing key"] = _max_diff(z3.full_state_dict(model), plain.state_dict())
+    out["missing key is random"] = plain.lm_head.weight.std().item()
+    # offload: shards go to the store as they load
+    model = z3hf.from_pretrained(
+        auto, paths["llama"], offload=z3.Offload(params="disk", path=os.path.join(out_root, "o"))
+    )
+    states = [s for _, s in model.sharded_parameters()]
+    out["offloaded"] = all(s.offload is not None and s.offload.evicted for s in states)
+    out["offload load"] = _max_diff(
+        z3.full_state_dict(model), auto.from_pretrained(paths["llama"]).state_dict()
+    )
+    return out
+
+
+@functools.cache
+def round_trips():
+    out_root = tempfile.mkdtemp(prefix="zero3-hf-out-", dir=folder())
+    return run_ranks(_round_trips, 2, checkpoints(), out_root, timeout=600)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_pretrained_reads_rows_and_save_pretrained_writes_a_plain_folder(kind):
+    for out in round_trips():
+        assert out[f"{kind} sharded"]
+        assert out[f"{kind} load"] == 0.0
+        assert out[f"{kind} save"] == 0.0
+        assert out[f"{kind} same keys"]  # Mixtral: written per expert, as the checkpoint was
+        assert "model.safetensors.index.json" in out[f"{kind} files"]
+        assert "config.json" in out[f"{kind} files"]
+
+
+def test_missing_keys_are_initialised_like_a_single_process_seeded_as_rank_0():
+    for out in round_trips():
+        assert out["missing key"] == 0.0
+        assert out["missing key is random"] > 0.001
+
+
+def test_from_pretrained_with_offload_puts_shards_in_the_store():
+    for out in round_trips():
+        assert out["offloaded"]
+        assert out["offload load"] == 0.0
+
+
+def _bad_checkpoints(rank, world, path, scratch):
+    import transformers
+
+    from zero3_compile import hf as z3hf
+
+    auto = transformers.AutoModelForCausalLM
+    cases = {}
+    if rank == 0:
+        shutil.copytree(path, os.path.join(scratch, "truncated"))
+        shutil.copytree(path, os.path.join(scratch, "missing"))
+        victim = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[1]
+        with open(os.path.join(scratch, "truncated", victim), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(path, victim)) // 2)
+        os.remove(os.path.join(scratch, "missing", victim))
+        cases["victim"] = victim
+    dist.barrier()
+    bigger = transformers.AutoConfig.from_pretrained(path)
+    bigger.intermediate_size = 80
+    for name, kwargs in (
+        ("truncated", {"pretrained_model_name_or_path": os.path.join(scratch, "truncated")}),
+        ("missing", {"pretrained_model_name_or_path": os.path.join(scratch, "missing")}),
+        ("mismatch", {"pretrained_model_name_or_path": path, "config": bigger}),
+    ):
+        start = time.monotonic()
+        try:
+            z3hf.from_pretrained(auto, **kwargs)
+            cases[name] = ("no error", "", 0.0)
+        except Exception as error:  # noqa: BLE001
+            cases[name] = (type(error).__name__, str(error), time.monotonic() - start)
+        dist.barrier()
+    return cases
+
+
+def test_bad_checkpoints_fail_on_every_rank_naming_file_and_key():
+    scratch = tempfile.mkdtemp(prefix="zero3-hf-bad-", dir=folder())
+    results = run_ranks(_bad_checkpoints, 2, checkpoints()["llama"], scratch, timeout=600)
+    victim = results[0]["victim"]
+    for cases in results:
+        for name in ("truncated", "missing", "mismatch"):
+            kind, message, seconds = cases[name]
+            assert kind != "no error", name
+            assert seconds < 120, (name, seconds)
+        assert victim in cases["truncated"][1]
+        assert victim in cases["missing"][1]
+        assert "mlp" in cases["mismatch"][1] and "80" in cases["mismatch"][1]
+
+
+# ------------------------------------------------------------------------ the Trainer
+
+
+def _args(out, world, **overrides):
+    import transformers
+
+    settings = dict(
+        output_dir=out,
+        per_device_train_batch_size=4 // world,
+        per_device_eval_batch_size=2,
+        learning_rate=1e-3,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        dataloader_drop_last=True,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+def _trainer(rank, world, path, out, overrides, resume, zero3):
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForCausalLM
+    if zero3:
+        model = z3hf.from_pretrained(auto, path)
+        trainer_class, extra = _CountingTrainer, {"zero3_options": {"codegen": "eager"}}
+    else:
+        model = auto.from_pretrained(path)
+        trainer_class, extra = transformers.Trainer, {}
+    args = _args(out, world, **overrides)
+    if overrides.get("eval_strategy", "no") != "no":
+        extra["eval_dataset"] = token_data(8, seed=1)
+    trainer = trainer_class(model=model, args=args, train_dataset=token_data(), **extra)
+    trainer.train(resume_from_checkpoint=resume)
+    params = z3.full_state_dict(model) if zero3 else dict(model.state_dict())
+    optimizer = {}
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    for param, state in inner.state.items():
+        name = next(n for n, p in model.named_parameters() if p is param)
+        for key, value in state.items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            optimizer[f"{name}.{key}"] = value.clone()
+    return {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "params": params,
+        "optimizer": optimizer,
+        "reduce_scatters": getattr(trainer, "counts", []),
+        "best": trainer.state.best_model_checkpoint,
+    }
+
+
+class _CountingTrainer:
+    """Created lazily (the base class needs transformers): counts reduce-scatters per
+    micro-batch."""
+
+    def __new__(cls, *args, **kwargs):
+        from zero3_compile import hf as z3hf
+
+        class Counting(z3hf.Trainer):
+            counts: list = []
+
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
+                events = [e for e in prof.events() if "reduce_scatter" in e.name]
+                self.counts.append((bool(self.accelerator.sync_gradients), len(events)))
+                return loss
+
+        return Counting(*args, **kwargs)
+
+
+def _train(world, out_name, overrides=None, resume=None, zero3=True):
+    out = os.path.join(folder(), out_name)
+    return run_ranks(
+        _trainer, world, checkpoints()["gpt2"], out, overrides or {}, resume, zero3, timeout=900
+    )[0]
+
+
+@functools.cache
+def plain_sgd():
+    return _train(1, "plain-sgd", {"optim": "sgd"}, zero3=False)
+
+
+def test_trainer_matches_the_plain_trainer():
+    """SGD (Adam's normalisation turns rounding noise on near-zero gradients into full steps)."""
+    got = _train(2, "zero3-sgd", {"optim": "sgd"})
+    ref = plain_sgd()
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
+    assert len(got["losses"]) == 4
+    scale = max(v.abs().max().item() for v in ref["params"].values())
+    assert _max_diff(got["params"], ref["params"]) / scale < 1e-5
+
+
+def test_accumulation_reduces_only_on_the_steps_last_micro_batch():
+    overrides = {"optim": "sgd", "gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}
+    got = _train(2, "zero3-accum", overrides)
+    ref = _train(1, "plain-accum", {**overrides, "per_device_train_batch_size": 2}, zero3=False)
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
+    counts = got["reduce_scatters"]
+    assert len(counts) == 8
+    assert [sync for sync, _ in counts] == [False, True] * 4
+    assert all(n == 0 for sync, n in counts if not sync)
+    assert all(n > 0 for sync, n in counts if sync)
+
+
+@functools.cache
+def uninterrupted():
+    return _train(2, "zero3-saving", {"save_strategy": "steps", "save_steps": 2})
+
+
+def test_resume_from_checkpoint_2_is_bit_identical():
+    full = uninterrupted()
+    checkpoint = os.path.join(folder(), "zero3-saving", "checkpoint-2")
+    assert os.path.isdir(os.path.join(checkpoint, "zero3_state"))
+    resumed = _train(2, "zero3-resumed", {"save_strategy": "no"}, resume=checkpoint)
+    assert resumed["losses"] == full["losses"]  # the history is restored, steps 3-4 rerun
+    for key, value in full["params"].items():
+        assert torch.equal(resumed["params"][key], value), key
+    for key, value in full["optimizer"].items():
+        assert torch.equal(resumed["optimizer"][key], value), key
+    # on one rank: the same checkpoint, resharded
+    single = _train(1, "zero3-resumed-1", {"save_strategy": "no"}, resume=checkpoint)
+    scale = max(v.abs().max().item() for v in full["params"].values())
+    assert _max_diff(single["params"], full["params"]) / scale < 1e-5
+
+
+def test_checkpoints_are_plain_folders_too():
+    uninterrupted()
+    import transformers
+
+    checkpoint = os.path.join(folder(), "zero3-saving", "checkpoint-4")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    final = uninterrupted()["params"]
+    assert _max_diff(dict(reloaded.state_dict()), final) == 0.0
+
+
+def test_load_best_model_at_end():
+    overrides = {
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss",
+        "learning_rate": 5e-2,
+    }
+    got = _train(2, "zero3-best", overrides)
+    import transformers
+
+    best = transformers.AutoModelForCausalLM.from_pretrained(got["best"])
+    assert _max_diff(got["params"], dict(best.state_dict())) == 0.0
+
+
+# ------------------------------------------------------------------------ generate
+
+
+def _generate(rank, world, path):
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    auto = transformers.AutoModelForCausalLM
+    plain = auto.from_pretrained(path)
+    model = z3hf.from_pretrained(auto, path)
+    # each rank its own prompt, of its own length; a rank may finish early
+    prompt = torch.tensor([[5, 7, 11, 13, 17][: 3 + 2 * rank]])
+    steps = 6 + 5 * rank
+    kwargs = dict(max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    expected = plain.generate(prompt, **kwargs)
+    sharded = model.generate(prompt, **kwargs)  # gathers every step, ranks kept in step
+    with z3.gathered(model):
+        gathered = model.generate(prompt, **kwargs)
+    return {
+        "sharded": torch.equal(sharded, expected),
+        "gathered": torch.equal(gathered, expected),
+        "length": expected.shape[1],
+        "restored": all(p.to_local().shape[0] < p.shape[0] for p in model.parameters()),
+    }
+
+
+def test_generate_equals_the_unsharded_model_with_per_rank_prompts():
+    results = run_ranks(_generate, 2, checkpoints()["llama"], timeout=600)
+    assert results[0]["length"] != results[1]["length"]
+    for out in results:
+        assert out["sharded"] and out["gathered"] and out["restored"]
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def _big_checkpoint(path: str) -> tuple[int, int]:
+    """A >= 1 GB Llama checkpoint, written one tensor at a time; (bytes, largest tensor)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=12, hidden_size=1536,
+        intermediate_size=6144, vocab_size=32000, tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    weight_map, total, largest = {}, 0, 0
+    for i, (name, param) in enumerate(model.state_dict().items()):
+        value = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.02, 0.02)
+        file = f"part-{i:03d}.safetensors"
+        save_file({name: value}, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map[name] = file
+        nbytes = value.numel() * 4
+        total, largest = total + nbytes, max(largest, nbytes)
+        del value
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total, largest
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _load_memory(rank, world, path):
+    import gc
+
+    import transformers
+
+    from zero3_compile import hf as z3hf
+
+    gc.collect()
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, path)
+    peak = _rss_kib("VmHWM")
+    shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    return {"peak_over_start": (peak - before) * 1024, "shard_bytes": shard_bytes}
+
+
+def test_loader_peak_memory_is_shards_plus_largest_tensor():
+    path = os.path.join(folder(), "big")
+    total, largest = _big_checkpoint(path)
+    assert total >= 2**30
+    results = run_ranks(_load_memory, 2, path, timeout=900)
+    shutil.rmtree(path, ignore_errors=True)
+    margin = 160 * 2**20
+    for out in results:
+        assert out["shard_bytes"] <= total // 2 + largest
+        assert out["peak_over_start"] <= out["shard_bytes"] + largest + margin, out
+
+
+# ------------------------------------------------------------------------ DeepSpeed configs
+
+
+def test_a_deepspeed_zero3_config_is_translated():
+    from zero3_compile import hf as z3hf
+
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 2e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        },  # fmt: skip
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}},
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 2**20,
+            "stage3_prefetch_bucket_size": 2**21,
+            "stage3_param_persistence_threshold": 1e4,
+            "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "steps_per_print": 10,
+    }
+    out = z3hf.translate_deepspeed_config(config, on_gpu=False)
+    assert out.options == {"bucket_mb": 4.0, "max_inflight_bytes": 2**23, "prefetch_depth": 8}
+    assert out.shard["offload"].params == "disk" and out.shard["offload"].path == "/nvme"
+    assert out.optimizer_offload == {"tier": "disk", "path": "/nvme"}
+    assert out.args == {
+        "bf16": True,
+        "learning_rate": 2e-4,
+        "weight_decay": 0.1,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 10,
+        "max_grad_norm": 0.5,
+    }
+    assert any("stage3_param_persistence_threshold" in note for note in out.notes)
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"zero_optimization": {"stage": 2}}, "stage is 2"),
+        ({"zero_optimization": {"stage": 3, "sparse_gradients": True}}, "sparse_gradients"),
+        ({"zero_optimization": {"stage": 3}, "amp": {}}, "amp"),
+        ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "use bf16"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
+        ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lamb"}}, "optim=..."),
+    ],
+)
+def test_a_deepspeed_config_with_keys_we_do_not_understand_is_refused(config, message):
+    from zero3_compile import hf as z3hf
+
+    with pytest.raises(ValueError, match=message):
+        z3hf.translate_deepspeed_config(config, on_gpu=False)
+
+
+# ------------------------------------------------------------------------ accelerate
+
+
+def _launch(command: list[str], cwd: str) -> list[str]:
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))}  # fmt: skip
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith(("step", "rank"))]
+
+
+def test_accelerate_launch_trains_like_torchrun():
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples",
+                          "accelerate_loop.py")  # fmt: skip
+    cwd = tempfile.mkdtemp(prefix="zero3-accelerate-", dir=folder())
+    bin_dir = os.path.dirname(sys.executable)
+    accelerate = _launch(
+        [os.path.join(bin_dir, "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+         "--main_process_port", "0", script, "--steps", "3"], cwd,
+    )  # fmt: skip
+    torchrun = _launch(
+        [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2", script,
+         "--steps", "3"], cwd,
+    )  # fmt: skip
+    steps = [line for line in accelerate if line.startswith("step")]
+    assert len(steps) == 3
+    assert steps == [line for line in torchrun if line.startswith("step")]
+    held = sorted(line for line in accelerate if line.startswith("rank"))
+    assert len(held) == 2 and all("of" in line for line in held)

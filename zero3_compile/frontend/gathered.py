@@ -1,0 +1,54 @@
+"""``z3.gathered(model)``: every parameter gathered once, for inference (``generate``).
+
+```python
+with z3.gathered(model):
+    tokens = model.generate(**inputs, max_new_tokens=64)   # no collective per token
+```
+Each parameter is all-gathered once on entry (in its compute dtype, in module order: the same
+collectives on every rank) and read from there until the block ends; then the full copies are
+freed and the shards are what the model reads again. Inside the block the model runs no
+collective, so ranks may run different prompts, of different lengths, for different numbers of
+steps. In-place writes to a parameter inside the block reach its shard (the eager
+write-through); the copies carry no gradient, so training inside the block fails at
+``backward()`` instead of silently skipping the update. Memory: the whole model per rank while
+the block lasts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+from ..collectives.ops import UNSHARD
+from ..sharding.state import ShardState
+from .loading import sharded_states
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Gather every sharded parameter of ``model`` once; restore the shards on exit. Every rank
+    of the model's mesh must enter it (the gathers are collective); inside, none has to."""
+    states = sharded_states(model)
+    busy = [s for s in states if s.state is not ShardState.SHARDED]
+    if busy:
+        raise RuntimeError(
+            f"zero3: z3.gathered() needs every parameter sharded; {busy[0].fqn!r} is "
+            f"{busy[0].state.name} (turn gradient sync back on first; gathered() does not nest)"
+        )
+    done = []
+    try:
+        with torch.no_grad():
+            for state in states:
+                with state.root.active():
+                    full = UNSHARD(state.local(), state.param_id, state.spec.literal(), None)
+                state.kept_full = full
+                state.transition(ShardState.GATHERED)
+                done.append(state)
+        yield model
+    finally:
+        for state in done:
+            state.kept_full = None
+            state.transition(ShardState.SHARDED)

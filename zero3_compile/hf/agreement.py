@@ -1,0 +1,79 @@
+"""Every rank learns at once when one rank failed, instead of the others waiting in a collective.
+
+A loading or saving step can fail on one rank only (its rows of a damaged file, its own disk).
+Around such steps the ranks meet at named points in the store: each rank posts "arrived" (or, from
+an ``except`` handler, "failed" with the error), and waits until every rank arrived or one failed;
+a failure anywhere raises on every rank, naming the rank and its error. A rank that neither
+arrives nor fails within the timeout is named as missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch.distributed as dist
+
+from ..compat import default_store
+
+POLL_S = 0.05
+_calls = itertools.count()
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed at a step every rank takes part in (raised on every rank)."""
+
+
+class Agreement:
+    """The meeting points of one collective operation (``what``), on every rank of ``ranks``."""
+
+    def __init__(self, what: str, ranks: list[int] | None = None, timeout_s: float = 600.0):
+        self.what = what
+        self.ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+        self.timeout_s = timeout_s
+        self.store = default_store()
+        # every rank creates its agreements in the same order: the same prefix everywhere
+        self.prefix = f"zero3/agree/{next(_calls)}/"
+        self.stage = 0
+        self.failed = False
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}{self.stage}/{kind}/{rank}"
+
+    def meet(self, step: str) -> None:
+        """Wait until every rank finished ``step``; raise if one failed."""
+        if self.store is None or len(self.ranks) == 1:
+            return
+        me = dist.get_rank()
+        self.store.set(self._key("arrived", me), "1")
+        deadline = time.monotonic() + self.timeout_s
+        pending = set(self.ranks)
+        while True:
+            for rank in list(pending):
+                if self.store.check([self._key("failed", rank)]):
+                    message = self.store.get(self._key("failed", rank)).decode()
+                    raise RankFailedError(
+                        f"zero3: {self.what} failed on rank {rank} while {step}: {message}"
+                    )
+                if self.store.check([self._key("arrived", rank)]):
+                    pending.discard(rank)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise RankFailedError(
+                    f"zero3: {self.what}: rank(s) {sorted(pending)} did not finish {step} within "
+                    f"{self.timeout_s:.0f}s (dead, stuck, or not running this call)"
+                )
+            time.sleep(POLL_S)
+        self.stage += 1
+
+    def fail(self, error: BaseException) -> None:
+        """From an ``except`` handler: tell the other ranks (once); the caller re-raises."""
+        if self.store is None or self.failed or isinstance(error, RankFailedError):
+            return
+        self.failed = True
+        text = f"{type(error).__name__}: {error}".strip()[:2000]
+        try:
+            self.store.set(self._key("failed", dist.get_rank()), text)
+        except Exception:  # noqa: BLE001 - the store itself is gone: the peers time out
+            pass

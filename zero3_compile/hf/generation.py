@@ -1,0 +1,24 @@
+"""``generate`` on a sharded model: ranks stay in step.
+
+Every forward of a sharded model issues collectives (each parameter read is a gather), so every
+rank must run as many forward passes as the others. Hugging Face's ``generate`` already keeps
+finished ranks running dummy steps until all are done (``synced_gpus``) for models whose
+parameters are sharded across ranks; it recognises them by the ``_is_fsdp_managed_module`` flag,
+which ``mark_sharded`` sets (the flag means "sharded, forward passes must stay in step"; nothing
+else in transformers reads it). So ranks with prompts of other lengths, finishing at other steps,
+never hang. For speed, gather the model once instead: ``with z3.gathered(model):
+model.generate(...)`` runs no collective at all (and needs no step-keeping).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def mark_sharded(model: nn.Module) -> None:
+    """Flag the Hugging Face models in ``model`` as sharded (see the module docstring)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.__dict__["_is_fsdp_managed_module"] = True
