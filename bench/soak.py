@@ -80,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated interpreters to cycle through (one per torch version)",
     )
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every rank")
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="an empty Inductor/AOTAutograd cache per job (every compile cold, as a fresh machine)",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "out", "soak"))
     return parser.parse_args(argv)
 
@@ -135,6 +140,8 @@ def run_job(index: int, name: str, python: str, args, extra_env: dict, folder: s
             "PYTHONPATH": ROOT,
             **extra_env,
         }
+        if args.cold_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "scratch", "inductor-cache")
         out = open(os.path.join(folder, f"rank{rank}.log"), "w")
         logs.append(out)
         procs.append(
@@ -148,7 +155,8 @@ def run_job(index: int, name: str, python: str, args, extra_env: dict, folder: s
             )
         )
     with open(os.path.join(folder, "command.txt"), "w") as f:
-        f.write(f"world={world} env={json.dumps(extra_env)}\n{' '.join(command)}\n")
+        cold = " cold-cache" if args.cold_cache else ""
+        f.write(f"world={world}{cold} env={json.dumps(extra_env)}\n{' '.join(command)}\n")
     start = time.monotonic()
     deadline = start + args.timeout
     hung = False
@@ -247,6 +255,7 @@ def main(argv=None) -> None:
             "torch": sorted(set(versions.values())),
             "configs": names,
             "env": extra_env,
+            "cold_cache": args.cold_cache,
             "by_status": {s: dict(c) for s, c in counts.items()},
             "failures": failures,
         }
