@@ -402,3 +402,21 @@ def test_estimate_command_prints_the_7b_table():
         in out.stdout
     )
     assert "16 bytes per parameter" in out.stdout
+
+
+def test_offload_files_are_unlinked_while_open(tmp_path):
+    """A finished, failed or killed run leaves no swap file: the file has no name once open."""
+    from zero3_compile.offload.store import DiskStore
+
+    store = DiskStore(str(tmp_path), "params", 0)
+    region = store.allocate(4096)
+    data = torch.arange(1024, dtype=torch.float32)
+    store.write_current(region, data)
+    back = torch.empty_like(data)
+    store.read(region, back)
+    assert torch.equal(back, data)
+    assert os.listdir(tmp_path) == []
+    private = DiskStore(None, "optimizer", 0)  # the default folder is gone as well
+    assert not os.path.exists(os.path.dirname(private.path))
+    store.close()
+    private.close()

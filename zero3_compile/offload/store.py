@@ -1,7 +1,8 @@
 """Where offloaded tensors live between uses: regions of one file per rank, or host memory.
 
-``DiskStore``: one file per rank and purpose under ``path`` (default: a private temporary folder
-removed when the process exits). Each tensor gets two regions (double buffering: a write goes to
+``DiskStore``: one file per rank and purpose under ``path`` (default: a private temporary folder).
+The file is unlinked as soon as it is open (and the private folder removed): its space lives as
+long as the descriptor, so a finished, failed or killed run never leaves swap files behind. Each tensor gets two regions (double buffering: a write goes to
 the region not in use and becomes current only when ``commit()`` flips it, so an interrupted step
 leaves the previous values readable). Regions are preallocated with ``posix_fallocate`` when they
 are created, so later writes cannot run out of space halfway. Reads and writes are positional
@@ -15,12 +16,10 @@ that refuses it falls back to buffered I/O with a log line.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import errno
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -71,14 +70,6 @@ def _memory(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-_temporary_folders: list[str] = []
-
-
-def _remove_temporary_folders() -> None:
-    for folder in _temporary_folders:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 class DiskStore:
     """Tensors in regions of one file; see the module docstring."""
 
@@ -93,11 +84,9 @@ class DiskStore:
         staging_buffers: int = 4,
         staging_mb: float = 16.0,
     ):
-        if path is None:
+        private = path is None
+        if private:
             path = tempfile.mkdtemp(prefix="zero3-offload-")
-            if not _temporary_folders:
-                atexit.register(_remove_temporary_folders)
-            _temporary_folders.append(path)
         self.folder = os.path.abspath(path)
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -128,6 +117,11 @@ class DiskStore:
                 f"zero3: cannot open the offload file {self.path!r}: {error.strerror}; "
                 "pass a writable folder",
             ) from error
+        # nothing on disk outlives the descriptor: not this run's end, a crash or a kill -9
+        os.unlink(self.path)
+        if private:
+            os.rmdir(self.folder)
+            self.folder = os.path.dirname(self.folder)  # where the space comes from
         self.size = 0
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="zero3-io")
