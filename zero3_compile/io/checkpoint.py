@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..frontend.loading import loading as shard_access
 from ..runtime.guard import roll_call
 
 _BACKUP = ".zero3-previous"
@@ -162,13 +163,15 @@ def load_checkpoint(
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
     except BaseException as error:
         _raise_if_peer_lost(error, call, f"load_checkpoint({path!r})", "Nothing was loaded.")
+        _raise_if_mismatched(error, path)
         raise
-    if optimizer is not None:
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-    else:
-        set_model_state_dict(model, state["model"])
+    with shard_access(model):
+        if optimizer is not None:
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+        else:
+            set_model_state_dict(model, state["model"])
     if extra:
         for key, value in state["extra"].items():
             if extra[key] is not value:
@@ -218,10 +221,13 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
+    # torch's state-dict helpers find parameters by walking attributes (``getattr(module,
+    # "weight")``): with the shards visible that reads the sharded parameters, not a gather each
+    with shard_access(model):
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
 
 
 def _rank_state_name(rank: int) -> str:
@@ -461,6 +467,24 @@ def _read_rank_state(
         return None
     with open(where, "rb") as f:
         return torch.load(io.BytesIO(f.read()), weights_only=True)
+
+
+def _raise_if_mismatched(error: BaseException, path: str) -> None:
+    """DCP's planning errors (another model's checkpoint: sizes or keys that do not match),
+    raised by it on every rank, as a ValueError that says what to do."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return
+    failures = getattr(error, "failures", {}) or {}
+    reasons = sorted({str(f).strip().splitlines()[-1] for f in failures.values()}) or [str(error)]
+    planning = [r for r in reasons if "mismatch" in r.lower() or "missing" in r.lower()]
+    if not planning:
+        return
+    raise ValueError(
+        f"zero3: the checkpoint at {path!r} does not fit this model: {'; '.join(planning[:3])}. "
+        "Load it into the model (and optimizer) it was saved from; nothing was loaded."
+    ) from error
 
 
 # ------------------------------------------------------------------ lost ranks
