@@ -349,7 +349,11 @@ def _generate(rank, world, path):
     sharded = model.generate(prompt, **kwargs)  # gathers every step, ranks kept in step
     with z3.gathered(model):
         gathered = model.generate(prompt, **kwargs)
+    with z3.gathered(model), torch.no_grad():  # a write inside reaches the shards
+        model.lm_head.weight.mul_(2.0)
+    doubled = z3.full_state_dict(model)["lm_head.weight"]
     return {
+        "written back": torch.equal(doubled, plain.lm_head.weight.detach() * 2.0),
         "sharded": torch.equal(sharded, expected),
         "gathered": torch.equal(gathered, expected),
         "length": expected.shape[1],
@@ -361,7 +365,7 @@ def test_generate_equals_the_unsharded_model_with_per_rank_prompts():
     results = run_ranks(_generate, 2, checkpoints()["llama"], timeout=600)
     assert results[0]["length"] != results[1]["length"]
     for out in results:
-        assert out["sharded"] and out["gathered"] and out["restored"]
+        assert out["sharded"] and out["gathered"] and out["restored"] and out["written back"]
 
 
 # ------------------------------------------------------------------------ memory

@@ -50,5 +50,21 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         for state in done:
+            _write_back_if_changed(state)
             state.kept_full = None
             state.transition(ShardState.SHARDED)
+
+
+@torch.no_grad()
+def _write_back_if_changed(state) -> None:
+    """This rank's rows of the full copy into the shard, if the block changed them."""
+    from ..offload.params import loaded
+
+    rows = state.spec.local_view(state.kept_full, state.rank)
+    offloaded = [state] if state.offload is not None else []
+    with loaded(offloaded, write_back=False):
+        local = state.local()
+        if torch.equal(rows, local.to(rows.dtype)):
+            return
+    with loaded(offloaded, write_back=True):
+        state.local().copy_(rows.to(state.local().dtype))

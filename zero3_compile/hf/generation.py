@@ -14,11 +14,24 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..sharding.state import ShardState
+
 
 def mark_sharded(model: nn.Module) -> None:
-    """Flag the Hugging Face models in ``model`` as sharded (see the module docstring)."""
+    """Flag the Hugging Face models in ``model`` as sharded (see the module docstring): a
+    property of their generated classes, false inside ``z3.gathered`` (nothing to keep in step
+    then, not even the per-step check that all ranks finished)."""
     from transformers import PreTrainedModel
 
     for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            module.__dict__["_is_fsdp_managed_module"] = True
+        if (
+            isinstance(module, PreTrainedModel)
+            and "_is_fsdp_managed_module" not in type(module).__dict__
+        ):
+            type(module)._is_fsdp_managed_module = property(_in_step)
+
+
+def _in_step(module: nn.Module) -> bool:
+    for _, state in module.sharded_parameters():
+        return state.state is not ShardState.GATHERED
+    return False
