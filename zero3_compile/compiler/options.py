@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 _CODEGENS = ("inductor", "eager")
+
+
+def _number(value) -> bool:
+    """A real, finite number (not a bool, not NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class Options:
             raise ValueError(
                 f"zero3: option codegen={self.codegen!r} is not one of {list(_CODEGENS)}"
             )
-        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+        if not (_number(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(
                 f"zero3: option bucket_mb must be a positive number, got {self.bucket_mb!r}"
             )
@@ -128,23 +135,27 @@ class Options:
             raise ValueError("zero3: option reshard_after_forward must be True or False")
         if not isinstance(self.fused_copies, bool):
             raise ValueError("zero3: option fused_copies must be True or False")
-        budget = self.memory_budget_mb
-        if (
-            budget is not None
-            and budget != "auto"
-            and not (
-                isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"zero3: option verify must be True or False, got {self.verify!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"zero3: option dump_dir must be a folder path or None, got {self.dump_dir!r}"
             )
-        ):
+        budget = self.memory_budget_mb
+        if budget is not None and budget != "auto" and not (_number(budget) and budget > 0):
             raise ValueError(
                 f"zero3: option memory_budget_mb must be a positive number of MiB, 'auto' or "
                 f"None, got {budget!r}"
             )
-        if not (isinstance(self.optimizer_states, int) and self.optimizer_states >= 0):
+        if not (
+            isinstance(self.optimizer_states, int)
+            and not isinstance(self.optimizer_states, bool)
+            and self.optimizer_states >= 0
+        ):
             raise ValueError(
                 f"zero3: option optimizer_states must be an int >= 0, got {self.optimizer_states!r}"
             )
         if self.sync_timeout_s is not None and not (
-            isinstance(self.sync_timeout_s, (int, float)) and self.sync_timeout_s > 0
+            _number(self.sync_timeout_s) and self.sync_timeout_s > 0
         ):
             raise ValueError("zero3: option sync_timeout_s must be a positive number of seconds")

@@ -24,6 +24,7 @@ def set_leaf_modules(model: nn.Module, modules: Iterable[type | nn.Module]) -> l
     Their full parameters stay alive for the block's whole forward (and, eagerly, until its
     backward), as with DeepSpeed's leaf modules.
     """
+    modules = check_leaf_modules(modules)
     wanted_types = tuple(m for m in modules if isinstance(m, type))
     wanted_ids = {id(m) for m in modules if isinstance(m, nn.Module)}
     leaves = []
@@ -48,6 +49,21 @@ def set_leaf_modules(model: nn.Module, modules: Iterable[type | nn.Module]) -> l
         sub.register_forward_pre_hook(_leaf_enter(members))
         sub.register_forward_hook(_leaf_exit(members), always_call=True)
     return leaves
+
+
+def check_leaf_modules(modules) -> list:
+    """The entries of ``leaf_modules`` as a list; a clear error for anything but module classes
+    and modules."""
+    modules = list(modules or ())
+    for item in modules:
+        if not (
+            isinstance(item, nn.Module) or (isinstance(item, type) and issubclass(item, nn.Module))
+        ):
+            raise TypeError(
+                f"zero3: leaf_modules takes module classes or modules (e.g. [LlamaDecoderLayer]), "
+                f"got {item!r}"
+            )
+    return modules
 
 
 def detected_leaves(model: nn.Module) -> list[nn.Module]:

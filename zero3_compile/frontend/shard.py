@@ -27,7 +27,7 @@ from ..runtime.root import Zero3Runtime
 from ..sharding.mesh import DataParallelMesh
 from ..sharding.state import ModuleState, ShardedParam, param_id_of
 from .classes import is_sharded_module, make_sharded
-from .leaves import detected_leaves, set_leaf_modules
+from .leaves import check_leaf_modules, detected_leaves, set_leaf_modules
 from .mixed_precision import MixedPrecision, install_hooks
 from .offload_state import install_offload_state_dict_hooks
 
@@ -67,12 +67,13 @@ def shard(
     offload: ``Offload(params="disk" | "cpu", path=...)``: where parameter shards live between
         uses (see ``zero3_compile.offload``).
     """
-    policy = _policy(param_dtype, reduce_dtype, mp_policy)
     _check_can_shard(module)
+    policy = _policy(param_dtype, reduce_dtype, mp_policy)
+    _check_arguments(group, offload, leaf_modules)
     _check_timeout(sync_timeout_s)
     named = list(module.named_parameters(remove_duplicate=False))
     first_device = named[0][1].device if named else torch.device("cpu")
-    requested = torch.device(device) if device is not None else None
+    requested = _device(device)
     device = _shard_device(first_device, requested, group or dist.group.WORLD)
     dp = DataParallelMesh.resolve(group, mesh, device.type)
     root = Zero3Runtime(dp, policy, device, sync_timeout_s)
@@ -160,9 +161,28 @@ def _policy(param_dtype, reduce_dtype, mp_policy: MixedPrecision | None) -> Mixe
         raise ValueError(
             "zero3: pass either mp_policy=MixedPrecision(...) or param_dtype/reduce_dtype, not both"
         )
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
+        raise TypeError(
+            f"zero3: shard(mp_policy=...) must be a z3.MixedPrecision (z3.MixedPrecision("
+            f"param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), got {mp_policy!r}"
+        )
     policy = mp_policy or MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     policy.validate()
     return policy
+
+
+def _check_arguments(group, offload, leaf_modules) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"zero3: shard(group=...) must be a torch.distributed ProcessGroup (dist.new_group(...)), "
+            f"got {type(group).__name__}"
+        )
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(
+            f"zero3: shard(offload=...) must be a z3.Offload (z3.Offload(params='disk', "
+            f"path=...)), got {offload!r}"
+        )
+    check_leaf_modules(leaf_modules)
 
 
 def _check_timeout(timeout_s) -> None:
@@ -209,6 +229,15 @@ def _check_can_shard(module: nn.Module) -> None:
             f"zero3: parameters are on different devices {where}; move the whole model to one "
             "device (model.to(device)) before zero3_compile.shard(model)"
         )
+
+
+def _device(device) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"zero3: shard(device={device!r}) is not a device: {error}") from error
 
 
 def _shard_device(param_device: torch.device, requested, group) -> torch.device:
