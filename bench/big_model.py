@@ -1,0 +1,572 @@
+"""Models larger than the machine: a Llama loaded from a Hugging Face checkpoint into shards,
+trained with parameters and optimizer state on disk, phase by phase.
+
+    python bench/big_model.py --model llama-1b --world 2 --offload disk --steps 3
+    python bench/big_model.py --model llama-1.5b --world 2 --offload disk --steps 3 --checkpoint
+    python bench/big_model.py --model llama-3b --world 2 --offload disk --steps 3
+    python bench/big_model.py --model llama-1b --contenders zero3,fsdp2 --offload none
+
+Run it alone on the machine. The checkpoint (bf16 safetensors, Hugging Face layout) is written
+once under ``--cache``, tensor by tensor, never holding the model; each contender then runs in
+fresh processes. Per phase and rank: wall time, the peak resident memory (``VmHWM``, reset at the
+start of each phase), bytes read and written (the offload stores' counters and the process's
+``/proc/self/io``), the I/O time the step waited for (exposed) against the store threads' total.
+Beside them, the physical limit: the disk's sequential bandwidth measured here with ``O_DIRECT``
+(16 MiB blocks), the step's compute time without I/O (the same model without offload, at
+``--compute-layers`` depths, extrapolated to the full depth), and the bound
+max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
+first steps, resumes it in new processes and checks the resumed step is bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.launch import run_ranks  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int = 128256
+    tied: bool = True
+
+
+SHAPES = {
+    "llama-125m": Shape(12, 768, 3072, 12, 4, vocab=32000),
+    "llama-1b": Shape(16, 2048, 8192, 32, 8),  # Llama-3.2-1B
+    "llama-1.3b": Shape(16, 2048, 8192, 32, 8, tied=False),
+    "llama-1.5b": Shape(20, 2048, 8192, 32, 8),
+    "llama-3b": Shape(28, 3072, 8192, 24, 8),  # Llama-3.2-3B
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--offload", choices=["disk", "none"], default="disk")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=256, help="tokens per rank and step")
+    parser.add_argument("--contenders", default="zero3")
+    parser.add_argument("--codegen", choices=["eager", "inductor"], default="eager")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute (MixedPrecision)")
+    parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--compute-layers", default="", help="e.g. 1,2: measure compute alone")
+    parser.add_argument("--cache", default=os.path.join(HERE, "out", "big", "checkpoints"))
+    parser.add_argument("--scratch", default=os.path.join(HERE, "out", "big", "scratch"))
+    parser.add_argument("--out", default=os.path.join(HERE, "out", "big"))
+    parser.add_argument("--skip-disk-test", action="store_true")
+    return parser.parse_args(argv)
+
+
+def config_of(shape: Shape, layers: int | None = None):
+    import transformers
+
+    return transformers.LlamaConfig(
+        num_hidden_layers=layers or shape.layers,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    )
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+
+def write_checkpoint(folder: str, shape: Shape, layers: int | None = None) -> str:
+    """A random-init bf16 checkpoint written tensor by tensor (never the whole model)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    if os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
+        return folder
+    staging = folder + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    config = config_of(shape, layers)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    config.save_pretrained(staging)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, file_index, pending, pending_bytes, total = {}, 0, {}, 0, 0
+
+    def flush():
+        nonlocal file_index, pending, pending_bytes
+        if not pending:
+            return
+        name = f"model-{file_index:05d}.safetensors"
+        save_file(pending, os.path.join(staging, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in pending})
+        file_index, pending, pending_bytes = file_index + 1, {}, 0
+
+    for name, param in model.state_dict().items():
+        if shape.tied and name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            value = torch.ones(param.shape, dtype=torch.bfloat16)
+        else:
+            value = torch.empty(param.shape, dtype=torch.float32)
+            value.normal_(0.0, 0.02, generator=generator)
+            value = value.to(torch.bfloat16)
+        pending[name] = value
+        pending_bytes += value.numel() * 2
+        total += value.numel() * 2
+        if pending_bytes >= 2 * GiB:
+            flush()
+    flush()
+    with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    os.replace(staging, folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _proc_io() -> dict[str, int]:
+    values = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, value = line.split(":")
+            values[key] = int(value)
+    return values
+
+
+def _stores(model, opt) -> list:
+    from zero3_compile.sharding.state import state_of
+
+    stores = {}
+    for param in model.parameters():
+        state = state_of(param)
+        if state is not None and state.offload is not None:
+            stores[id(state.offload.store)] = state.offload.store
+    offloaded = getattr(opt, "_zero3_offload", None) if opt is not None else None
+    if offloaded is not None:
+        stores[id(offloaded.store)] = offloaded.store
+    return list(stores.values())
+
+
+class Phases:
+    """Per phase: seconds, peak RSS (VmHWM reset at its start), bytes moved, exposed I/O."""
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+        self.model = None
+        self.opt = None
+
+    def _counters(self) -> dict:
+        stores = _stores(self.model, self.opt) if self.model is not None else []
+        io = _proc_io()
+        return {
+            "store_read": sum(s.bytes_read for s in stores),
+            "store_written": sum(s.bytes_written for s in stores),
+            "io_s": sum(s.io_seconds for s in stores),
+            "wait_s": sum(s.wait_seconds for s in stores),
+            "disk_read": io.get("read_bytes", 0),
+            "disk_written": io.get("write_bytes", 0),
+        }
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start_rss = _status_kib("VmRSS") * 1024
+        before = self._counters()
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        after = self._counters()
+        self.records[name] = {
+            "seconds": seconds,
+            "peak_rss": _status_kib("VmHWM") * 1024,
+            "start_rss": start_rss,
+            **{k: after[k] - before[k] for k in after},
+        }
+
+
+def _batch(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (1, seq), generator=gen)
+
+
+def _digest(model) -> str:
+    import zero3_compile as z3  # noqa: F401
+
+    sha = hashlib.sha256()
+    for name, state in model.sharded_parameters():
+        from zero3_compile.offload.params import loaded
+
+        with loaded([state] if state.offload is not None else [], write_back=False):
+            sha.update(name.encode())
+            sha.update(state.local().detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def run_zero3(rank, world, cfg: dict):
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo")
+    phases = Phases()
+    scratch = os.path.join(cfg["scratch"], f"run-{cfg['tag']}")
+    offload = z3.Offload(params="disk", path=scratch) if cfg["offload"] == "disk" else None
+    policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
+    with phases.phase("load"):
+        model = z3hf.from_pretrained(
+            transformers.AutoModelForCausalLM,
+            cfg["checkpoint"],
+            dtype=torch.float32,
+            offload=offload,
+            mp_policy=policy,
+        )
+        model.train()
+    phases.model = model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if cfg["offload"] == "disk":
+        opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
+    phases.opt = opt
+    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    losses = []
+
+    def step(i):
+        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    with phases.phase("first step (compiles)"):
+        step(0)
+    steps = cfg["steps"]
+    with phases.phase("steps"):
+        for i in range(1, steps):
+            step(i)
+    result = {"phases": phases.records, "losses": losses, "steps": steps}
+    if cfg["checkpoint"] and cfg.get("save"):
+        path = os.path.join(cfg["scratch"], "checkpoint")
+        with phases.phase("checkpoint save"):
+            z3.save_checkpoint(path, model, opt, rank_state={"step": steps})
+        sizes = sum(
+            os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+        )  # fmt: skip
+        result["checkpoint_bytes"] = sizes
+        step(steps)  # the step a resumed run must reproduce
+        result["after_save_loss"] = losses[-1]
+        result["after_save_digest"] = _digest(model)
+    dist.barrier()
+    return result
+
+
+def run_resume(rank, world, cfg: dict):
+    """New processes: load the sealed checkpoint, take the next step, digest the shards."""
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo")
+    phases = Phases()
+    scratch = os.path.join(cfg["scratch"], "run-resume")
+    offload = z3.Offload(params="disk", path=scratch) if cfg["offload"] == "disk" else None
+    policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
+    model = z3hf.from_pretrained(
+        transformers.AutoModelForCausalLM, cfg["checkpoint_model"], dtype=torch.float32,
+        offload=offload, mp_policy=policy,
+    )  # fmt: skip
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if cfg["offload"] == "disk":
+        opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
+    phases.model, phases.opt = model, opt
+    path = os.path.join(cfg["scratch"], "checkpoint")
+    with phases.phase("checkpoint load"):
+        state = z3.load_checkpoint(path, model, opt)
+    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    ids = _batch(state["step"], rank, cfg["seq"], cfg["vocab"])
+    loss = step_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return {"phases": phases.records, "loss": loss.item(), "digest": _digest(model)}
+
+
+def run_compute(rank, world, cfg: dict):
+    """The step without I/O: the same width at ``layers`` depth, in memory."""
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo")
+    policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
+    model = z3hf.from_pretrained(
+        transformers.AutoModelForCausalLM, cfg["checkpoint"], dtype=torch.float32,
+        mp_policy=policy,
+    )  # fmt: skip
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    times = []
+    for i in range(3):
+        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
+        start = time.perf_counter()
+        step_model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times[1:])}
+
+
+def run_fsdp2(rank, world, cfg: dict):
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo")
+    phases = Phases()
+    with phases.phase("load"):
+        # FSDP2 through transformers: meta init, shard, each rank loads every tensor and keeps
+        # its part (the usual recipe: from_pretrained on every rank, then fully_shard)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            cfg["checkpoint"], dtype=torch.float32
+        )
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+
+    def step(i):
+        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    with phases.phase("first step (compiles)"):
+        step(0)
+    with phases.phase("steps"):
+        for i in range(1, cfg["steps"]):
+            step(i)
+    return {"phases": phases.records, "losses": losses, "steps": cfg["steps"]}
+
+
+# --------------------------------------------------------------------------- the disk
+
+
+def disk_bandwidth(folder: str, size: int = 2 * GiB, block: int = 16 * 2**20) -> dict:
+    """Sequential write and read with O_DIRECT, 16 MiB blocks (GB/s)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "bandwidth.bin")
+    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buffer.write(os.urandom(block))
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        start = time.perf_counter()
+        for offset in range(0, size, block):
+            os.pwritev(fd, [buffer], offset)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for offset in range(0, size, block):
+            os.preadv(fd, [buffer], offset)
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def report(args, shape, disk, runs, compute) -> str:
+    import transformers
+
+    config = config_of(shape)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    state_gb = params * 16 / 1e9  # fp32 parameters, gradients, Adam's two moments
+    lines = [
+        f"# big_model: {args.model}, {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
+        f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
+        f"step, offload {args.offload}, codegen {args.codegen}, bf16 {args.bf16}; torch "
+        f"{torch.__version__}",
+        "",
+    ]
+    if disk:
+        lines.append(
+            f"Disk (O_DIRECT, 16 MiB blocks): write {disk['write_gbps']:.2f} GB/s, read "
+            f"{disk['read_gbps']:.2f} GB/s."
+        )
+        lines.append("")
+    for name, per_rank in runs.items():
+        lines += [f"## {name}", "", "| phase | seconds | peak RSS GB (rank 0 / 1 / sum) | "
+                  "read GB | written GB | I/O s (threads) | exposed I/O s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for phase in per_rank[0]["phases"]:
+            records = [r["phases"][phase] for r in per_rank]
+            peaks = [r["peak_rss"] for r in records]
+            lines.append(
+                f"| {phase} | {max(r['seconds'] for r in records):.1f} | "
+                + " / ".join(_gb(p) for p in peaks)
+                + f" / {_gb(sum(peaks))} | "
+                f"{_gb(sum(max(r['store_read'], r['disk_read']) for r in records))} | "
+                f"{_gb(sum(max(r['store_written'], r['disk_written']) for r in records))} | "
+                f"{max(r['io_s'] for r in records):.1f} | {max(r['wait_s'] for r in records):.1f} |"
+            )
+        losses = per_rank[0].get("losses")
+        if losses:
+            lines.append(f"\nlosses {', '.join(f'{x:.4f}' for x in losses)}")
+        steps = per_rank[0]["phases"].get("steps")
+        if steps and per_rank[0]["steps"] > 1:
+            step_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (
+                per_rank[0]["steps"] - 1
+            )
+            moved_read = sum(r["phases"]["steps"]["store_read"] for r in per_rank)
+            moved_written = sum(r["phases"]["steps"]["store_written"] for r in per_rank)
+            n = per_rank[0]["steps"] - 1
+            io_bound = 0.0
+            if disk:
+                io_bound = (moved_read / n) / (disk["read_gbps"] * 1e9) + (moved_written / n) / (
+                    disk["write_gbps"] * 1e9
+                )
+            bound = max(compute or 0.0, io_bound)
+            lines.append(
+                f"step {step_s:.1f} s; compute alone {compute or float('nan'):.1f} s; disk "
+                f"{io_bound:.1f} s for {_gb(moved_read / n)} GB read + {_gb(moved_written / n)} "
+                f"GB written per step; bound {bound:.1f} s; step / bound "
+                f"{step_s / bound if bound else float('nan'):.2f}"
+            )
+        load = per_rank[0]["phases"].get("load")
+        if load and disk:
+            read = sum(max(r["phases"]["load"]["disk_read"], 0) for r in per_rank)
+            seconds = max(r["phases"]["load"]["seconds"] for r in per_rank)
+            lines.append(
+                f"load: {_gb(read)} GB read from disk in {seconds:.1f} s = "
+                f"{read / seconds / 1e9:.2f} GB/s ({read / seconds / 1e9 / disk['read_gbps']:.0%}"
+                " of the disk's read bandwidth)"
+            )
+        if "checkpoint_bytes" in per_rank[0]:
+            save = max(r["phases"]["checkpoint save"]["seconds"] for r in per_rank)
+            lines.append(
+                f"checkpoint: {_gb(per_rank[0]['checkpoint_bytes'])} GB saved in {save:.1f} s "
+                f"({per_rank[0]['checkpoint_bytes'] / save / 1e9:.2f} GB/s)"
+            )
+        if "resume" in per_rank[0]:
+            lines.append(per_rank[0]["resume"])
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    shape = SHAPES[args.model]
+    os.makedirs(args.out, exist_ok=True)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.world))}
+    logs = os.path.join(args.out, "logs")
+    checkpoint = write_checkpoint(os.path.join(args.cache, args.model), shape)
+    disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
+    base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload,
+                seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
+                bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
+    compute = None
+    depths = [int(x) for x in args.compute_layers.split(",") if x]
+    if len(depths) >= 2:
+        times = []
+        for depth in depths[:2]:
+            small = write_checkpoint(
+                os.path.join(args.cache, f"{args.model}-l{depth}"), shape, depth
+            )
+            per_rank = run_ranks(run_compute, args.world, ({**base, "checkpoint": small},),
+                                 log_dir=logs, name=f"compute-l{depth}", timeout_s=7200, env=env)  # fmt: skip
+            times.append(max(r["step_s"] for r in per_rank))
+        (d1, d2), (t1, t2) = depths[:2], times
+        compute = t1 + (shape.layers - d1) * (t2 - t1) / (d2 - d1)
+    runs = {}
+    for name in [c for c in args.contenders.split(",") if c]:
+        cfg = {**base, "tag": name, "save": args.checkpoint}
+        fn = {"zero3": run_zero3, "fsdp2": run_fsdp2}[name]
+        per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name, timeout_s=14400,
+                             env=env)  # fmt: skip
+        if name == "zero3" and args.checkpoint:
+            resumed = run_ranks(run_resume, args.world, (cfg,), log_dir=logs, name="resume",
+                                timeout_s=14400, env=env)  # fmt: skip
+            same = all(
+                r["digest"] == p["after_save_digest"] and r["loss"] == p["after_save_loss"]
+                for r, p in zip(resumed, per_rank)
+            )
+            load_s = max(r["phases"]["checkpoint load"]["seconds"] for r in resumed)
+            per_rank[0]["resume"] = (
+                f"resume in new processes: checkpoint loaded in {load_s:.1f} s "
+                f"({per_rank[0]['checkpoint_bytes'] / load_s / 1e9:.2f} GB/s); the next step "
+                f"{'bit-identical' if same else 'DIFFERS'} (loss and every shard)"
+            )
+        runs[name] = per_rank
+    shutil.rmtree(args.scratch, ignore_errors=True)  # offload files are unlinked already
+    text = report(args, shape, disk, runs, compute)
+    print(text)
+    tag = f"{args.model}-{args.offload}-w{args.world}"
+    with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
+        json.dump({"args": vars(args), "shape": asdict(shape), "disk": disk, "runs": runs,
+                   "compute_s": compute}, f, indent=1, default=str)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
