@@ -269,7 +269,11 @@ def main(argv=None) -> None:
     totals = {s: sum(c.values()) for s, c in counts.items()}
     print(json.dumps({"runs": args.runs, **totals}))
     if failures:
-        print("failures:", *(f"  {f['index']} {f['config']}: {f['status']} -> {f['kept']}" for f in failures), sep="\n")
+        print(
+            "failures:",
+            *(f"  {f['index']} {f['config']}: {f['status']} -> {f['kept']}" for f in failures),
+            sep="\n",
+        )
 
 
 if __name__ == "__main__":
