@@ -498,3 +498,18 @@ def test_an_edited_manifest_is_refused(saved):
     with open(manifest, "w") as f:
         f.write(text.replace(sizes[0], sizes[0].replace('"size": ', '"size": 1')))
     _refused(path, f"{ckpt.MANIFEST!r} does not match its own checksum")
+
+
+def test_processes_exit_cleanly_when_a_gloo_worker_outlives_the_job():
+    """A gloo worker thread that frees a tensor during interpreter finalization aborts the
+    process (a torch/gloo race, amplified in the reproduction until every job hits it without
+    zero3's exit handler); with a zero3 model the jobs exit cleanly."""
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "repros", "gloo_exit_race.py")
+    result = subprocess.run(
+        [sys.executable, script, "--runs", "3", "--zero3", "--timeout", "60"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "0 of 3 jobs failed" in result.stdout, result.stdout
