@@ -37,6 +37,13 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
+def _initial_params() -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints()["gpt2"])
+    return dict(model.state_dict())
+
+
 # ------------------------------------------------------------------------ load and save
 
 
@@ -222,6 +229,10 @@ def _trainer(rank, world, path, out, overrides, resume, zero3):
         "optimizer": optimizer,
         "reduce_scatters": getattr(trainer, "counts", []),
         "best": trainer.state.best_model_checkpoint,
+        "checkpointing": getattr(model, "is_gradient_checkpointing", False),
+        "scale": None
+        if trainer.accelerator.scaler is None
+        else trainer.accelerator.scaler.get_scale(),
     }
 
 
@@ -265,6 +276,30 @@ def test_trainer_matches_the_plain_trainer():
     ref = plain_sgd()
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
     assert len(got["losses"]) == 4
+    scale = max(v.abs().max().item() for v in ref["params"].values())
+    assert _max_diff(got["params"], ref["params"]) / scale < 1e-5
+
+
+def test_fp16_scales_the_loss_and_trains_like_the_fp32_trainer():
+    """fp16 gathers and compute with fp32 master shards; the loss goes through a dynamic
+    GradScaler (on CPU too, where accelerate makes none), unscaled before the step: without the
+    unscale each step would be 65536 times too large."""
+    got = _train(2, "zero3-fp16", {"optim": "sgd", "fp16": True})
+    ref = plain_sgd()
+    assert got["scale"] == 2.0**16  # the scaler ran; no overflow in 4 steps
+    assert len(got["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-2
+    scale = max(v.abs().max().item() for v in ref["params"].values())
+    assert _max_diff(got["params"], ref["params"]) / scale < 1e-2
+    moved = _max_diff(got["params"], _initial_params()) / scale
+    assert moved > 10 * (_max_diff(got["params"], ref["params"]) / scale)  # it trained
+
+
+def test_gradient_checkpointing_trains_like_the_plain_trainer():
+    got = _train(2, "zero3-checkpointing", {"optim": "sgd", "gradient_checkpointing": True})
+    ref = plain_sgd()
+    assert got["checkpointing"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
     scale = max(v.abs().max().item() for v in ref["params"].values())
     assert _max_diff(got["params"], ref["params"]) / scale < 1e-5
 
@@ -482,13 +517,38 @@ def test_a_deepspeed_zero3_config_is_translated():
     assert any("stage3_param_persistence_threshold" in note for note in out.notes)
 
 
+def test_a_deepspeed_fp16_config_becomes_dynamic_loss_scaling():
+    from zero3_compile import hf as z3hf
+
+    config = {
+        "zero_optimization": {"stage": 3},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                 "loss_scale_window": 500, "hysteresis": 2},
+    }  # fmt: skip
+    out = z3hf.translate_deepspeed_config(config, on_gpu=False)
+    assert out.args == {"fp16": True}
+    assert out.scaler == {"init_scale": 4096.0, "growth_interval": 500}
+    assert any("hysteresis" in note for note in out.notes)
+
+
 @pytest.mark.parametrize(
     "config,message",
     [
         ({"zero_optimization": {"stage": 2}}, "stage is 2"),
         ({"zero_optimization": {"stage": 3, "sparse_gradients": True}}, "sparse_gradients"),
         ({"zero_optimization": {"stage": 3}, "amp": {}}, "amp"),
-        ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "use bf16"),
+        (
+            {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}},
+            "static loss scale",
+        ),
+        (
+            {
+                "zero_optimization": {"stage": 3},
+                "fp16": {"enabled": True},
+                "bf16": {"enabled": True},
+            },
+            "choose one",
+        ),
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
         ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lamb"}}, "optim=..."),
     ],

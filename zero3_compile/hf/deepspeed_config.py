@@ -79,6 +79,7 @@ class Translated:
     shard: dict[str, Any] = field(default_factory=dict)  # z3.shard keyword arguments
     optimizer_offload: dict[str, Any] | None = None  # z3.offload_optimizer keyword arguments
     args: dict[str, Any] = field(default_factory=dict)  # TrainingArguments fields to set
+    scaler: dict[str, Any] = field(default_factory=dict)  # torch.amp.GradScaler arguments (fp16)
     notes: list[str] = field(default_factory=list)
 
 
@@ -174,14 +175,51 @@ def _zero(zero: dict | None, out: Translated, on_gpu: bool) -> None:
 
 def _precision(config: dict, out: Translated) -> None:
     bf16 = (config.get("bf16") or {}).get("enabled", False)
-    fp16 = (config.get("fp16") or {}).get("enabled", False)
-    if fp16 not in (False, "auto"):
-        raise ValueError(
-            "zero3: fp16 training needs dynamic loss scaling, which zero3_compile.hf does not do "
-            'yet; use bf16 ("bf16": {"enabled": true})'
-        )
+    fp16_config = config.get("fp16") or {}
+    fp16 = fp16_config.get("enabled", False)
+    if fp16 is True and bf16 is True:
+        raise ValueError('zero3: the DeepSpeed config enables both "fp16" and "bf16": choose one')
     if bf16 is True:
         out.args["bf16"] = True
+    if fp16 is True:
+        _fp16(fp16_config, out)
+
+
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+              "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}  # fmt: skip
+
+
+def _fp16(section: dict, out: Translated) -> None:
+    """fp16 with dynamic loss scaling: torch's GradScaler with DeepSpeed's initial scale and
+    growth window (it halves on the first overflow; DeepSpeed's hysteresis waits for a few)."""
+    unknown = sorted(set(section) - _FP16_KEYS)
+    if unknown:
+        raise ValueError(
+            f"zero3: DeepSpeed fp16 keys {unknown} are not understood; known: {sorted(_FP16_KEYS)}"
+        )
+    if section.get("loss_scale", 0) not in (0, 0.0, "auto"):
+        raise ValueError(
+            f"zero3: fp16.loss_scale={section['loss_scale']} (a static loss scale) is not "
+            "supported; use 0 for dynamic loss scaling"
+        )
+    if section.get("fp16_master_weights_and_grads"):
+        raise ValueError(
+            "zero3: fp16.fp16_master_weights_and_grads is not supported: master shards and "
+            "gradients stay fp32 (remove the key)"
+        )
+    out.args["fp16"] = True
+    power = section.get("initial_scale_power", "auto")
+    if power != "auto":
+        out.scaler["init_scale"] = 2.0 ** int(power)
+    window = section.get("loss_scale_window", "auto")
+    if window != "auto":
+        out.scaler["growth_interval"] = int(window)
+    for key in ("hysteresis", "consecutive_hysteresis", "min_loss_scale"):
+        if key in section:
+            out.notes.append(
+                f"fp16.{key}: torch's GradScaler halves the scale on every overflow (no "
+                "hysteresis, no floor)"
+            )
 
 
 def _batch(config: dict, args, out: Translated) -> None:

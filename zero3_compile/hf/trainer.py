@@ -77,6 +77,7 @@ class Trainer(transformers.Trainer):
             setattr(args, key, value)
         self._zero3_notes = translated.notes
         self._zero3_optimizer_offload = translated.optimizer_offload
+        self._zero3_scaler = translated.scaler
         self._zero3_options = {**translated.options, **(zero3_options or {})}
         Options.from_dict(self._zero3_options)  # unknown or bad options fail here, not later
         self._zero3_mode = _compile_settings(args)
@@ -98,11 +99,22 @@ class Trainer(transformers.Trainer):
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         built = super()._build_accelerator_args(**kwargs)
-        built["mixed_precision"] = "no"  # the model's MixedPrecision does it
+        # The model's MixedPrecision casts; accelerate keeps "fp16" only for its loss scaling
+        # (scaled backward, unscale before clipping, skipped steps), never autocast: the model
+        # does not go through accelerator.prepare.
+        built["mixed_precision"] = "fp16" if self.args.fp16 else "no"
         from accelerate.utils import TorchDynamoPlugin
 
         built["dynamo_plugin"] = TorchDynamoPlugin(backend="no")  # compiled in _wrap_model
         return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        if self.args.fp16 and (accelerator.scaler is None or self._zero3_scaler):
+            # accelerate scales losses on accelerators only; gradients in fp16 need it anywhere
+            accelerator.scaler = torch.amp.GradScaler(accelerator.device.type, **self._zero3_scaler)
+            accelerator.native_amp = True
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._zero3_compiled is None:
@@ -189,11 +201,12 @@ def _compile_settings(args) -> str | None:
 
 
 def _policy(args) -> MixedPrecision | None:
+    if getattr(args, "fp16", False) and getattr(args, "bf16", False):
+        raise ValueError("zero3: TrainingArguments(fp16=True, bf16=True): choose one")
     if getattr(args, "fp16", False):
-        raise ValueError(
-            "zero3: fp16 training needs dynamic loss scaling, which zero3_compile.hf does not do "
-            "yet; use bf16=True"
-        )
+        # fp16 gathers and compute, fp32 reduction and master shards; the loss is scaled by
+        # accelerate's GradScaler (see create_accelerator_and_postprocess)
+        return MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
     if getattr(args, "bf16", False):
         return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
