@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.launch import run_ranks  # noqa: E402
+from bench.offload import _stores  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
@@ -172,20 +173,6 @@ def _proc_io() -> dict[str, int]:
     return values
 
 
-def _stores(model, opt) -> list:
-    from zero3_compile.sharding.state import state_of
-
-    stores = {}
-    for param in model.parameters():
-        state = state_of(param)
-        if state is not None and state.offload is not None:
-            stores[id(state.offload.store)] = state.offload.store
-    offloaded = getattr(opt, "_zero3_offload", None) if opt is not None else None
-    if offloaded is not None:
-        stores[id(offloaded.store)] = offloaded.store
-    return list(stores.values())
-
-
 class Phases:
     """Per phase: seconds, peak RSS (VmHWM reset at its start), bytes moved, exposed I/O."""
 
@@ -231,6 +218,27 @@ def _batch(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, seq), generator=gen)
 
 
+def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict):
+    """The first step (it compiles) and the others as two phases; returns the step function
+    and the losses list it appends to."""
+    losses = []
+
+    def step(i):
+        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    with phases.phase("first step (compiles)"):
+        step(0)
+    with phases.phase("steps"):
+        for i in range(1, cfg["steps"]):
+            step(i)
+    return step, losses
+
+
 def _digest(model) -> str:
     import zero3_compile as z3  # noqa: F401
 
@@ -271,22 +279,8 @@ def run_zero3(rank, world, cfg: dict):
         opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
     phases.opt = opt
     step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
-    losses = []
-
-    def step(i):
-        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
-        loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
-    with phases.phase("first step (compiles)"):
-        step(0)
+    step, losses = _train_phases(phases, step_model, opt, rank, cfg)
     steps = cfg["steps"]
-    with phases.phase("steps"):
-        for i in range(1, steps):
-            step(i)
     result = {"phases": phases.records, "losses": losses, "steps": steps}
     if cfg["checkpoint"] and cfg.get("save"):
         path = os.path.join(cfg["scratch"], "checkpoint")
@@ -382,21 +376,7 @@ def run_fsdp2(rank, world, cfg: dict):
         fully_shard(model)
         model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses = []
-
-    def step(i):
-        ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
-    with phases.phase("first step (compiles)"):
-        step(0)
-    with phases.phase("steps"):
-        for i in range(1, cfg["steps"]):
-            step(i)
+    _, losses = _train_phases(phases, model, opt, rank, cfg)
     return {"phases": phases.records, "losses": losses, "steps": cfg["steps"]}
 
 
