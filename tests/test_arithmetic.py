@@ -117,3 +117,43 @@ def test_reduce_round_trip_gives_each_rank_the_mean_of_its_shard(
         for got, want in zip(out, expected):
             assert got.dtype == shard_dtype and got.shape == (want.numel(),)
             assert torch.equal(got, want.reshape(-1).to(shard_dtype))
+
+
+# ------------------------------------------------------------------ sizes past 32-bit offsets
+
+# A Llama-3-70B embedding (1.05G elements) and the MLPs of eight of its blocks: one bucket of them
+# holds more than 2**31 elements per rank and 2**32 over the ranks; shapes only (meta tensors).
+BIG = [(128256, 8192)] + [(28672, 8192)] * 3 * 8
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_and_bucket_offsets_past_2_to_the_31_elements(world):
+    specs = [spec_of_shape(shape, world, fqn=f"p{i}") for i, shape in enumerate(BIG)]
+    sizes = arithmetic.sizes(specs)
+    assert sum(sizes) > 2**31 and world * sum(sizes) > 2**32
+    for spec in specs[:2]:
+        chunks = torch.chunk(torch.empty(spec.shape, device="meta"), world)
+        assert [spec.rows(r)[1] for r in range(world)] == [c.shape[0] for c in chunks]
+        assert spec.padded_numel * world >= spec.full_numel
+    # gathers: the shards of every rank concatenated; copy-out views at offsets past 2**31
+    shards = [torch.empty(spec.local_shape(world - 1), device="meta") for spec in specs]
+    flat = arithmetic.gather_copy_in(shards, sizes, torch.bfloat16)
+    assert flat.shape == (sum(sizes),) and flat.dtype == torch.bfloat16
+    gathered = torch.empty(world * sum(sizes), device="meta")
+    parts = arithmetic.gather_copy_out_parts(gathered, world, sizes)
+    fulls = [arithmetic.gathered_rows(part, spec) for part, spec in zip(parts, specs)]
+    assert [tuple(f.shape) for f in fulls] == BIG
+    # reductions: rank-major input of N * bucket elements, this rank's shards at exact offsets
+    grads = [torch.empty(shape, device="meta") for shape in BIG]
+    reduce_in = arithmetic.reduce_copy_in(grads, world, sizes, torch.float32)
+    assert reduce_in.shape == (world * sum(sizes),)
+    reduced = torch.empty(sum(sizes), device="meta")
+    numels = [spec.local_shape(0)[0] * spec.row_numel for spec in specs]
+    outs = arithmetic.reduce_copy_out(reduced, sizes, numels, world, [torch.float32] * len(specs))
+    assert [o.numel() for o in outs] == numels
+    last = reduced.narrow(0, sum(sizes[:-1]), numels[-1])
+    assert last.storage_offset() == sum(sizes[:-1]) > 2**31
+    # the fixed graph operations agree on the shapes (their fake implementations)
+    ops = torch.ops.zero3
+    assert ops.gather_copy_in(shards, sizes, torch.bfloat16).shape == flat.shape
+    assert ops.reduce_copy_in(grads, world, sizes, torch.float32).shape == reduce_in.shape
