@@ -6,9 +6,9 @@ import re
 
 import torch.fx as fx
 
-from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER
+from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from zero3_compile.compiler.graph_facts import param_derived
-from zero3_compile.compiler.node_keys import PARAMS
+from zero3_compile.compiler.node_keys import PARAMS, ROLE, ROLE_REDUCE_SCATTER
 from zero3_compile.compiler.recording import GraphRecord
 from zero3_compile.compiler.signature import generated_events, scheduled_events
 
@@ -21,11 +21,19 @@ def saved_gathered_parameters(record: GraphRecord) -> list[str]:
     return [f"{n.name}{tuple(n.meta['val'].shape)}" for n in record.saved if n in derived]
 
 
+def is_reduce_scatter(node: fx.Node) -> bool:
+    """A gradient reduce-scatter, also where it is issued as an all-reduce of the bucket (gloo on
+    torch >= 2.14, ``compat.gloo_reduce_scatter_as_all_reduce``)."""
+    if node.target is REDUCE_SCATTER:
+        return True
+    return node.target is ALL_REDUCE and node.meta.get(ROLE) == ROLE_REDUCE_SCATTER
+
+
 def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     return {
         "all_gather": sum(n.target is ALL_GATHER for n in nodes),
-        "reduce_scatter": sum(n.target is REDUCE_SCATTER for n in nodes),
+        "reduce_scatter": sum(is_reduce_scatter(n) for n in nodes),
     }
 
 
@@ -39,7 +47,7 @@ def analyze(records: list[GraphRecord]) -> dict:
         for kind, count in collective_counts(record.gm).items():
             entry[kind] += count
         for node in record.gm.graph.nodes:
-            if node.target in (ALL_GATHER, REDUCE_SCATTER):
+            if node.target is ALL_GATHER or is_reduce_scatter(node):
                 key = "gathered_params" if node.target is ALL_GATHER else "reduced_params"
                 entry.setdefault(key, []).extend(node.meta.get(PARAMS, ()))
         if record.kind == "forward":

@@ -251,7 +251,12 @@ class _CountingTrainer:
 
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     loss = super().training_step(model, inputs, num_items_in_batch)
-                events = [e for e in prof.events() if "reduce_scatter" in e.name]
+                # gloo on torch >= 2.14: issued as all-reduces (compat)
+                events = [
+                    e
+                    for e in prof.events()
+                    if "reduce_scatter" in e.name or e.name == "_c10d_functional::all_reduce"
+                ]
                 self.counts.append((bool(self.accelerator.sync_gradients), len(events)))
                 return loss
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import zero3_compile as z3
 from zero3_compile.collectives.ops import GUARD, UNSHARD
+from zero3_compile.compiler.node_keys import ROLE, ROLE_REDUCE_SCATTER
 from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.sharding.spec import SPEC_VERSION, ShardSpec
 from zero3_compile.sharding.state import ShardState, state_of
@@ -43,6 +44,14 @@ def _two_models(rank, world_size):
     # each graph's guard carries the timeout of the model whose parameters it gathers
     out["graph_timeouts"] = sorted(
         {n.args[-1] for r in records for n in r.gm.graph.nodes if n.target is GUARD}
+    )
+    out["reductions"] = sorted(
+        {
+            str(n.target)
+            for r in records
+            for n in r.gm.graph.nodes
+            if n.meta.get(ROLE) == ROLE_REDUCE_SCATTER
+        }
     )
 
     # optimizer hooks go to the optimizers of the model that needs them, nowhere else
@@ -93,6 +102,22 @@ def test_two_models_keep_their_own_timeouts():
         assert out["graph_timeouts"] == [7.0, 300.0]
     seconds = two_models()[0]["eager_timeout_s"]
     assert seconds is not None and 6.0 < seconds < 60.0, seconds
+
+
+def test_gloo_reduce_scatters_are_all_reduces_from_torch_2_14():
+    """gloo's own reduce-scatter on torch 2.14 is where every heap corruption of the soak runs
+    happened (compat.gloo_reduce_scatter_as_all_reduce); the values are checked by every
+    equivalence test."""
+    from torch.torch_version import TorchVersion
+
+    newer = TorchVersion(torch.__version__) >= (2, 14)
+    op = (
+        "_c10d_functional.all_reduce.default"
+        if newer
+        else "_c10d_functional.reduce_scatter_tensor.default"
+    )
+    for out in two_models():
+        assert out["reductions"] == [op]
 
 
 def test_optimizer_hooks_only_on_the_models_optimizers():

@@ -142,6 +142,31 @@ def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
+    """This rank's index in ``group_name`` where its reduce-scatters must be issued as
+    all-reduces (the caller keeps its own rows), else None.
+
+    gloo on torch 2.14: every heap corruption seen in our soak runs (``malloc(): unaligned tcache
+    chunk detected``, a SIGSEGV in ``malloc``) had a gloo worker in an all-reduce while the main
+    thread was inside gloo's reduce-scatter (``reduce_scatter_single_coalesced``, new in 2.14);
+    none on 2.13. gloo reduce-scatters by all-reducing a copy of the whole input anyway, so the
+    all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own.
+    """
+    import os
+
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(torch.__version__) < (2, 14) or os.environ.get("ZERO3_GLOO_REDUCE_SCATTER"):
+        return None
+    try:
+        group = resolve_group(group_name)
+    except (KeyError, RuntimeError, ValueError):
+        return None
+    if group_backend(group) != "gloo":
+        return None
+    return group.rank()
+
+
 def default_store() -> dist.Store | None:
     """The store the default process group was created with (None if unavailable).
 

@@ -38,7 +38,7 @@ import torch
 from ..compat import ALL_GATHER as ALL_GATHER_OP
 from ..compat import ALL_REDUCE as ALL_REDUCE_OP
 from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
-from ..compat import WAIT
+from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
 
@@ -239,12 +239,15 @@ class ReduceScheme:
 class ReduceScatter(ReduceScheme):
     group: str = ""
     world_size: int = 1
+    # ``rank`` set: the bucket is summed with an all-reduce and this rank's rows are taken in the
+    # copy-out (gloo on torch >= 2.14, see ``compat.gloo_reduce_scatter_as_all_reduce``)
+    rank: int | None = None
     stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
         (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
     )
 
     def key(self) -> tuple:
-        return (*super().key(), self.group, self.world_size)
+        return (*super().key(), self.group, self.world_size, self.rank)
 
     @property
     def divisor(self) -> int:
@@ -255,6 +258,11 @@ class ReduceScatter(ReduceScheme):
 
     def issue(self, emit, stage, payloads):
         (flat,) = payloads
+        if self.rank is not None:
+            work = emit.collective(
+                roles.REDUCE_SCATTER, roles.GROUP_SHARD, ALL_REDUCE_OP, flat, "sum", self.group
+            )
+            return [work]
         work = emit.collective(
             roles.REDUCE_SCATTER,
             roles.GROUP_SHARD,
@@ -265,6 +273,19 @@ class ReduceScatter(ReduceScheme):
             self.group,
         )
         return [work]
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        if self.rank is None:
+            return super().copy_out(emit, reduced, specs, shard_shapes)
+        (summed,) = reduced  # (N * bucket_numel,): every rank's rows, summed
+        bucket = sum(arithmetic.sizes(specs))
+        rank = self.rank
+
+        def rows(summed):
+            return summed.narrow(0, rank * bucket, bucket)
+
+        (mine,) = [emit.traced(roles.REDUCE_COPY_OUT, rows, [summed])]
+        return super().copy_out(emit, [mine], specs, shard_shapes)
 
 
 @dataclass(frozen=True)
@@ -379,7 +400,12 @@ def reduce_scheme(
             replicate_size=spec.replicate_size,
         )
     return ReduceScatter(
-        dtype, shard_dtype, traced_copies, group=spec.group, world_size=spec.world_size
+        dtype,
+        shard_dtype,
+        traced_copies,
+        group=spec.group,
+        world_size=spec.world_size,
+        rank=gloo_reduce_scatter_as_all_reduce(spec.group),
     )
 
 

@@ -26,6 +26,7 @@ from ...compiler.node_keys import (
     ROLE,
     ROLE_GATHER_COPY_OUT,
     ROLE_REDUCE_COPY_IN,
+    ROLE_REDUCE_SCATTER,
     ROLE_RELOAD,
 )
 from ...compiler.recording import GraphRecord
@@ -231,7 +232,7 @@ def build_report(record: GraphRecord) -> GraphReport:
     for bucket in records(gm, "reduce"):
         collectives = bucket.resolve(by_name, bucket.collectives)
         waits = bucket.resolve(by_name, bucket.waits)
-        if not collectives or collectives[0].target is not REDUCE_SCATTER or not waits:
+        if not collectives or collectives[0].meta.get(ROLE) != ROLE_REDUCE_SCATTER or not waits:
             continue  # one rank, or replicated parameters (counted as all-reduces below)
         first, wait = collectives[0], waits[0]
         grads = _gradient_sources(first)
@@ -253,7 +254,11 @@ def build_report(record: GraphRecord) -> GraphReport:
     for name, items in (("all_gather", report.gathers), ("reduce_scatter", report.reductions)):
         if items:
             report.collectives[name] = {"count": len(items), "bytes": sum(i.bytes for i in items)}
-    all_reduces = [n for n in nodes if n.target in (ALL_REDUCE, ALL_REDUCE_INPLACE)]
+    all_reduces = [
+        n
+        for n in nodes
+        if n.target in (ALL_REDUCE, ALL_REDUCE_INPLACE) and n.meta.get(ROLE) != ROLE_REDUCE_SCATTER
+    ]
     if all_reduces:
         report.collectives["all_reduce"] = {
             "count": len(all_reduces),
@@ -265,6 +270,8 @@ def build_report(record: GraphRecord) -> GraphReport:
             kind = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}.get(
                 node.target, "all_reduce"
             )
+            if node.meta.get(ROLE) == ROLE_REDUCE_SCATTER:
+                kind = "reduce_scatter"  # issued as an all-reduce (gloo, torch 2.14)
             value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
             per_group = report.group_bytes.setdefault(node.meta.get(GROUP_ROLE, str(group)), {})
             per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
