@@ -1,0 +1,110 @@
+"""Where a training step's peak resident memory comes from: VmHWM reset around the forward, the
+backward and ``opt.step()`` of each step, on 2 ranks, a Hugging Face checkpoint loaded into shards.
+
+    python bench/step_memory.py CHECKPOINT OFFLOAD MIXED TRIM
+    python bench/step_memory.py bench/out/big/checkpoints/llama-1.3b 1 0 1
+
+OFFLOAD 1: parameters and AdamW state on disk; MIXED 1: bf16 compute; TRIM 1: free and trim the
+allocator between phases (what remains is what the phase holds). Checkpoints: bench/big_model.py.
+"""
+
+import ctypes
+import gc
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+
+from bench.launch import run_ranks
+
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20
+
+
+def reset():
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    open("/proc/self/clear_refs", "w").write("5")
+
+
+def rank_fn(rank, world, ckpt, offload, mp, trim):
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    scratch = tempfile.mkdtemp(prefix=f"zero3-step-memory-{rank}-")
+    os.makedirs(scratch, exist_ok=True)
+    off = z3.Offload(params="disk", path=scratch) if offload else None
+    pol = z3.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
+    model = z3hf.from_pretrained(
+        transformers.AutoModelForCausalLM, ckpt, dtype=torch.float32, offload=off, mp_policy=pol
+    )
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if offload:
+        opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
+    sm = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+    out = []
+    for step in range(3):
+        ids = torch.randint(
+            0,
+            model.config.vocab_size,
+            (1, 256),
+            generator=torch.Generator().manual_seed(step * 10 + rank),
+        )
+        rec = {}
+        reset()
+        rec["start"] = kib("VmRSS")
+        loss = sm(input_ids=ids, labels=ids).loss
+        rec["fwd_peak"] = kib("VmHWM")
+        rec["after_fwd"] = kib("VmRSS")
+        if trim:
+            reset()
+        loss.backward()
+        rec["bwd_peak"] = kib("VmHWM")
+        rec["after_bwd"] = kib("VmRSS")
+        gsz = (
+            sum(p.grad.to_local().numel() * 4 for p in model.parameters() if p.grad is not None)
+            / 2**30
+        )
+        rec["grad_shards"] = gsz
+        if trim:
+            reset()
+        opt.step()
+        rec["opt_peak"] = kib("VmHWM")
+        rec["after_opt"] = kib("VmRSS")
+        opt.zero_grad(set_to_none=True)
+        reset()
+        rec["end"] = kib("VmRSS")
+        out.append({k: round(v, 2) for k, v in rec.items()})
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    ckpt, offload, mp, trim = (
+        sys.argv[1],
+        sys.argv[2] == "1",
+        sys.argv[3] == "1",
+        sys.argv[4] == "1",
+    )
+    res = run_ranks(
+        rank_fn,
+        2,
+        (ckpt, offload, mp, trim),
+        log_dir=tempfile.mkdtemp(prefix="zero3-step-memory-logs-"),
+        name="probe",
+        timeout_s=3000,
+    )
+    for r, steps in enumerate(res):
+        for s in steps:
+            print("rank", r, s)
