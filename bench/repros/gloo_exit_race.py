@@ -50,7 +50,9 @@ def rank_main(use_zero3: bool) -> None:
         model(torch.ones(2, 8)).sum().backward()
     else:
         mesh = init_device_mesh("cpu", (world,))
-        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(model.weight.detach(), mesh, [Shard(0)])
+        )
     globals()["_kept"] = model  # outlives main(), as a model at module level does
 
     out = [None] * world
