@@ -24,20 +24,16 @@ import torch.nn as nn
 
 from ..collectives.ops import UNSHARD
 from ..sharding.state import ShardState
-from .loading import sharded_states
+from .loading import resting_states
 
 
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[nn.Module]:
     """Gather every sharded parameter of ``model`` once; restore the shards on exit. Every rank
     of the model's mesh must enter it (the gathers are collective); inside, none has to."""
-    states = sharded_states(model)
-    busy = [s for s in states if s.state is not ShardState.SHARDED]
-    if busy:
-        raise RuntimeError(
-            f"zero3: z3.gathered() needs every parameter sharded; {busy[0].fqn!r} is "
-            f"{busy[0].state.name} (turn gradient sync back on first; gathered() does not nest)"
-        )
+    states = resting_states(
+        model, "z3.gathered()", "turn gradient sync back on first; gathered() does not nest"
+    )
     done = []
     try:
         with torch.no_grad():

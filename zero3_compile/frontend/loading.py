@@ -34,6 +34,19 @@ def sharded_states(model: nn.Module) -> list[ShardedParam]:
     return list(found.values())
 
 
+def resting_states(model: nn.Module, doing: str, hint: str = "") -> list[ShardedParam]:
+    """``sharded_states(model)``, all of them ``SHARDED``; else a RuntimeError naming the first
+    that is not (``doing``: what needs them at rest; ``hint``: how to get there)."""
+    states = sharded_states(model)
+    busy = [s for s in states if s.state is not ShardState.SHARDED]
+    if busy:
+        raise RuntimeError(
+            f"zero3: {doing} needs every parameter sharded; {busy[0].fqn!r} is "
+            f"{busy[0].state.name}{f' ({hint})' if hint else ''}"
+        )
+    return states
+
+
 @contextlib.contextmanager
 def loading(model: nn.Module) -> Iterator[list[ShardedParam]]:
     """Every sharded parameter of ``model`` in ``LOADING`` for the ``with`` block."""

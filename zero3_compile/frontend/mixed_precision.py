@@ -84,18 +84,12 @@ def set_mixed_precision(model: nn.Module, policy: MixedPrecision) -> None:
     """Give a sharded model another mixed-precision policy (compiled code recompiles)."""
     from dataclasses import replace
 
-    from ..sharding.state import ShardState, module_state
+    from ..sharding.state import module_state
     from .classes import reclass
-    from .loading import sharded_states
+    from .loading import resting_states
 
     policy.validate()
-    states = sharded_states(model)
-    busy = [s for s in states if s.state is not ShardState.SHARDED]
-    if busy:
-        raise RuntimeError(
-            f"zero3: cannot change the mixed-precision policy while {busy[0].fqn!r} is "
-            f"{busy[0].state.name}"
-        )
+    states = resting_states(model, "changing the mixed-precision policy")
     runtimes = {id(s.root): s.root for s in states}
     for runtime in runtimes.values():
         runtime.policy = policy
