@@ -10,12 +10,14 @@ the ops were not.
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.torch_version import TorchVersion
 
 funcol = torch.ops._c10d_functional
 
@@ -142,6 +144,9 @@ def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+_GLOO_REDUCE_SCATTER_SUSPECT = TorchVersion(torch.__version__) >= (2, 14)
+
+
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     """This rank's index in ``group_name`` where its reduce-scatters must be issued as
     all-reduces (the caller keeps its own rows), else None.
@@ -152,11 +157,7 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     none on 2.13. gloo reduce-scatters by all-reducing a copy of the whole input anyway, so the
     all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own.
     """
-    import os
-
-    from torch.torch_version import TorchVersion
-
-    if TorchVersion(torch.__version__) < (2, 14) or os.environ.get("ZERO3_GLOO_REDUCE_SCATTER"):
+    if not _GLOO_REDUCE_SCATTER_SUSPECT or os.environ.get("ZERO3_GLOO_REDUCE_SCATTER"):
         return None
     try:
         group = resolve_group(group_name)
@@ -330,8 +331,6 @@ def aot_cache_hits_across_processes() -> bool:
     another process. On torch 2.11 it is not (the inputs' hash differs per process, though their
     printed metadata is equal), so a warm restart hits only Inductor's FX graph cache; from 2.13
     both caches hit. 2.12 not checked (assumed as 2.11)."""
-    from torch.torch_version import TorchVersion
-
     return TorchVersion(torch.__version__) >= (2, 13)
 
 
