@@ -172,6 +172,21 @@ def test_bad_checkpoints_fail_on_every_rank_naming_file_and_key():
         assert "mlp" in cases["mismatch"][1] and "80" in cases["mismatch"][1]
 
 
+def _meet_then_exit(rank, world):
+    from zero3_compile.hf import agreement
+
+    if rank == 1:
+        agreement.POLL_S = 2.0  # arrives first, then looks again only after rank 0 is done
+    else:
+        time.sleep(0.5)
+    agreement.Agreement("a last step").meet("finishing")
+    return rank  # the harness exits the process at once: rank 0's exit closes the store
+
+
+def test_rank_0_leaves_a_meeting_last_so_its_store_outlives_the_peers():
+    assert run_ranks(_meet_then_exit, 2, timeout=120) == [0, 1]
+
+
 # ------------------------------------------------------------------------ the Trainer
 
 

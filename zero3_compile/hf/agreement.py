@@ -5,6 +5,12 @@ Around such steps the ranks meet at named points in the store: each rank posts "
 an ``except`` handler, "failed" with the error), and waits until every rank arrived or one failed;
 a failure anywhere raises on every rank, naming the rank and its error. A rank that neither
 arrives nor fails within the timeout is named as missing.
+
+Leaving a meeting is a second handshake: the store lives in one rank's process (rank 0 under
+``env://``), so a rank that saw everyone arrive and then exited could close the store under a peer
+still reading the last "arrived" keys. Each rank counts itself out once it saw every rank arrive,
+and rank 0 leaves last, when every rank counted itself out (the others' last store call, the
+count, has then been answered).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.distributed as dist
 from ..compat import default_store
 
 POLL_S = 0.05
+LEAVE_TIMEOUT_S = 60.0  # rank 0 waits this long at most for the others to count themselves out
 _calls = itertools.count()
 
 
@@ -65,7 +72,19 @@ class Agreement:
                     f"{self.timeout_s:.0f}s (dead, stuck, or not running this call)"
                 )
             time.sleep(POLL_S)
+        self._leave(me)
         self.stage += 1
+
+    def _leave(self, me: int) -> None:
+        # the step succeeded everywhere: a peer that dies now is not this step's failure, so rank
+        # 0 stops waiting after a while instead of raising
+        left = self.store.add(f"{self.prefix}{self.stage}/left", 1)
+        if me != 0 or 0 not in self.ranks:
+            return
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        while left < len(self.ranks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            left = self.store.add(f"{self.prefix}{self.stage}/left", 0)
 
     def fail(self, error: BaseException) -> None:
         """From an ``except`` handler: tell the other ranks (once); the caller re-raises."""
