@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import shutil
 import tempfile
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.torch_version import TorchVersion
 
 import zero3_compile as z3
 from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
@@ -23,14 +25,28 @@ from .dist_utils import run_ranks, run_scenarios
 from .training import PER_RANK_BATCH, build, make_optimizer, rel_diff
 
 TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
+# gloo's reduce-scatters are issued as all-reduces from torch 2.14 (compat.py says why)
+SHARD_REDUCTION = "all_reduce" if TorchVersion(torch.__version__) >= (2, 14) else "reduce_scatter"
 
 
 def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def train(rank, world, shape, model_name, codegen, precision=None, accumulate=False):
-    """3 SGD-momentum steps on every rank's slice; the reference trains the whole batch."""
+def train(rank, world, shape, model_name, codegen, precision=None, accumulate=False, rs=None):
+    """3 SGD-momentum steps on every rank's slice; the reference trains the whole batch.
+
+    ``rs="all_reduce"``: gradient reduce-scatters issued as all-reduces whatever the torch
+    (compat.gloo_reduce_scatter_as_all_reduce, the default on torch >= 2.14)."""
+    if rs is not None:
+        os.environ["ZERO3_GLOO_REDUCE_SCATTER"] = {"all_reduce": "0", "gloo": "1"}[rs]
+    try:
+        return _train(rank, world, shape, model_name, codegen, precision, accumulate)
+    finally:
+        os.environ.pop("ZERO3_GLOO_REDUCE_SCATTER", None)
+
+
+def _train(rank, world, shape, model_name, codegen, precision, accumulate):
     model, loss_fn, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if precision else None
@@ -171,6 +187,9 @@ CASES = [
     ("train", (4, 1), "mlp", "eager"),
     ("train", (2, 2), "mlp", "eager", "bf16"),
     ("train", (2, 2), "gpt", "eager", None, True),
+    ("train", (2, 2), "gpt", "eager", None, True, "all_reduce"),
+    ("train", (1, 4), "gpt", "inductor", None, False, "all_reduce"),
+    ("train", (2, 2), "mlp", "eager", None, False, "gloo"),
 ]
 
 
@@ -207,18 +226,37 @@ def test_collectives_per_group():
         kinds = {(kind, group) for _, kind, group, _ in r["collectives"]}
         assert kinds == {
             ("all_gather", "shard"),
-            ("reduce_scatter", "shard"),
+            (SHARD_REDUCTION, "shard"),
             ("all_reduce", "replicate"),
         }
         per_step = [c for c in r["collectives"] if c[0] == "backward"]
-        all_reduce_bytes = sum(b for _, kind, _, b in per_step if kind == "all_reduce")
+        all_reduce_bytes = sum(
+            b for _, kind, g, b in per_step if (kind, g) == ("all_reduce", "replicate")
+        )
         # one backward graph compiled: its all-reduces carry each gradient shard once (padded)
         assert r["grad_shard_bytes"] <= all_reduce_bytes <= 1.1 * r["grad_shard_bytes"]
     for r in results()[("train", (1, 4), "mlp", "eager")]:
-        assert not [c for c in r["collectives"] if c[1] == "all_reduce"]  # plain ZeRO-3
+        assert not [c for c in r["collectives"] if c[2] == "replicate"]  # plain ZeRO-3
     for r in results()[("train", (4, 1), "mlp", "eager")]:
         kinds = {kind for _, kind, _, _ in r["collectives"]}
         assert kinds == {"all_reduce"}  # replicated only: DDP's all-reduce, nothing gathered
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if len(c) == 7], ids=lambda c: "-".join(str(x) for x in c[1:])
+)
+def test_gloo_reduce_scatter_switch_picks_the_shard_groups_reduction(case):
+    """ZERO3_GLOO_REDUCE_SCATTER=0 issues the shard group's reductions as all-reduces (torch
+    2.14's default on gloo); on a 2-D mesh each rank's rows are taken before the replica stage, so
+    the replica all-reduces still carry the gradient shards only."""
+    want = {"all_reduce": "all_reduce", "gloo": "reduce_scatter"}[case[-1]]
+    for r in results()[case]:
+        on_shard = {kind for _, kind, group, _ in r["collectives"] if group == "shard"}
+        assert on_shard == {"all_gather", want}
+        if case[1] == (2, 2) and case[2] == "gpt":
+            replica = [c for c in r["collectives"] if c[0] == "backward" and c[2] == "replicate"]
+            replica_bytes = sum(b for *_, b in replica)
+            assert r["grad_shard_bytes"] <= replica_bytes <= 1.1 * r["grad_shard_bytes"]
 
 
 def test_bad_meshes_are_refused_with_the_fix():

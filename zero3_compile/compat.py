@@ -155,9 +155,16 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     chunk detected``, a SIGSEGV in ``malloc``) had a gloo worker in an all-reduce while the main
     thread was inside gloo's reduce-scatter (``reduce_scatter_single_coalesced``, new in 2.14);
     none on 2.13. gloo reduce-scatters by all-reducing a copy of the whole input anyway, so the
-    all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own.
+    all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own on any
+    torch, ``=0`` issues all-reduces on any torch (how the tests check the values on 2.13).
     """
-    if not _GLOO_REDUCE_SCATTER_SUSPECT or os.environ.get("ZERO3_GLOO_REDUCE_SCATTER"):
+    choice = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(
+            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 1 (gloo's own reduce-scatter), "
+            "0 (all-reduces) or leave it unset (all-reduces on torch >= 2.14)"
+        )
+    if choice == "1" or (choice == "" and not _GLOO_REDUCE_SCATTER_SUSPECT):
         return None
     try:
         group = resolve_group(group_name)

@@ -277,15 +277,17 @@ class ReduceScatter(ReduceScheme):
     def copy_out(self, emit, reduced, specs, shard_shapes):
         if self.rank is None:
             return super().copy_out(emit, reduced, specs, shard_shapes)
+        return super().copy_out(emit, self._own_rows(emit, reduced), specs, shard_shapes)
+
+    def _own_rows(self, emit, reduced) -> list:
         (summed,) = reduced  # (N * bucket_numel,): every rank's rows, summed
-        bucket = sum(arithmetic.sizes(specs))
-        rank = self.rank
+        rank, world = self.rank, self.world_size
 
         def rows(summed):
-            return summed.narrow(0, rank * bucket, bucket)
+            size = summed.shape[0] // world
+            return summed.narrow(0, rank * size, size)
 
-        (mine,) = [emit.traced(roles.REDUCE_COPY_OUT, rows, [summed])]
-        return super().copy_out(emit, [mine], specs, shard_shapes)
+        return [emit.traced(roles.REDUCE_COPY_OUT, rows, [summed])]
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,9 @@ class HybridReduce(ReduceScatter):
         if stage == 0:
             return super().issue(emit, stage, payloads)
         (flat,) = payloads
+        if self.rank is not None:
+            # stage 0 was an all-reduce: keep this rank's rows before summing across replicas
+            (flat,) = self._own_rows(emit, payloads)
         work = emit.collective(
             roles.REPLICA_ALL_REDUCE,
             roles.GROUP_REPLICATE,
@@ -319,6 +324,10 @@ class HybridReduce(ReduceScatter):
             self.replicate_group,
         )
         return [work]
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        # the rows were taken before the replica stage
+        return ReduceScheme.copy_out(self, emit, reduced, specs, shard_shapes)
 
 
 @dataclass(frozen=True)
@@ -398,6 +407,7 @@ def reduce_scheme(
             world_size=spec.world_size,
             replicate_group=spec.replicate_group,
             replicate_size=spec.replicate_size,
+            rank=gloo_reduce_scatter_as_all_reduce(spec.group),
         )
     return ReduceScatter(
         dtype,
