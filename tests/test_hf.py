@@ -384,6 +384,33 @@ def test_load_best_model_at_end():
     assert _max_diff(got["params"], dict(best.state_dict())) == 0.0
 
 
+def _one_graph(rank, world, path):
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from zero3_compile import hf as z3hf
+
+    model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, path)
+    model.train()
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    step(input_ids=ids, labels=ids).loss.backward()
+    return {
+        "graph breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+        "flag outside compile": model._is_fsdp_managed_module,  # generate keeps ranks in step
+    }
+
+
+def test_a_loaded_model_compiles_as_one_graph():
+    """The flag that makes ``generate`` keep ranks in step is FSDP1's to dynamo: it broke the
+    graph at the model, and every decoder layer recompiled as a frame of its own."""
+    for out in run_ranks(_one_graph, 2, checkpoints()["llama"], timeout=300):
+        assert out == {"graph breaks": 0, "graphs": 1, "flag outside compile": True}
+
+
 # ------------------------------------------------------------------------ generate
 
 

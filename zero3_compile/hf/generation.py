@@ -6,7 +6,9 @@ finished ranks running dummy steps until all are done (``synced_gpus``) for mode
 parameters are sharded across ranks; it recognises them by the ``_is_fsdp_managed_module`` flag,
 which ``mark_sharded`` sets (the flag means "sharded, forward passes must stay in step"; nothing
 else in transformers reads it). So ranks with prompts of other lengths, finishing at other steps,
-never hang. For speed, gather the model once instead: ``with z3.gathered(model):
+never hang. Dynamo reads the same flag: it takes the module for FSDP1's and, without
+``_fsdp_use_orig_params``, breaks the graph there, so each decoder layer became a frame of its
+own, recompiled per layer until dynamo's limit; the flag is therefore false while dynamo traces. For speed, gather the model once instead: ``with z3.gathered(model):
 model.generate(...)`` runs no collective at all (and needs no step-keeping).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..compat import dynamo_is_tracing
 from ..sharding.state import ShardState
 
 
@@ -32,6 +35,8 @@ def mark_sharded(model: nn.Module) -> None:
 
 
 def _in_step(module: nn.Module) -> bool:
+    if dynamo_is_tracing():
+        return False
     for _, state in module.sharded_parameters():
         return state.state is not ShardState.GATHERED
     return False
