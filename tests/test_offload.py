@@ -420,3 +420,60 @@ def test_offload_files_are_unlinked_while_open(tmp_path):
     assert not os.path.exists(os.path.dirname(private.path))
     store.close()
     private.close()
+
+
+# --------------------------------------------------------- a few hundred MB, resumed in new processes
+
+WIDE_STEPS = 2
+
+
+def _wide_run(rank, world, folder, resume):
+    """Wide (6 layers: 25.2M parameters, 302 MB of fp32 parameters + AdamW moments) with
+    parameters and optimizer state on disk: ``resume=False`` trains WIDE_STEPS steps, saves, and
+    takes one more; ``resume=True`` (new processes) loads the checkpoint and takes that step."""
+    torch.manual_seed(0)
+    model = Wide()
+    model.layers.extend(nn.Linear(2048, 2048, bias=False) for _ in range(2))
+    scratch = os.path.join(folder, f"offload-{rank}-{int(resume)}")
+    z3.shard(model, offload=z3.Offload(params="disk", path=scratch), sync_timeout_s=120)
+    opt = z3.offload_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), tier="disk", path=scratch, tile_mb=8
+    )
+    step = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+
+    def train(i):
+        x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(100 * i + rank))
+        loss = step(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    ckpt = os.path.join(folder, "checkpoint")
+    if resume:
+        z3.load_checkpoint(ckpt, model, opt)
+    else:
+        for i in range(WIDE_STEPS):
+            train(i)
+        z3.save_checkpoint(ckpt, model, opt)
+    loss = train(WIDE_STEPS)
+    full = z3.full_state_dict(model)
+    state = _full_optimizer_state(opt)
+    shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    return {"loss": loss, "params": full, "state": state, "state_bytes": 3 * shard_bytes * world}
+
+
+def test_a_few_hundred_mb_offloaded_resume_in_new_processes_bit_identically():
+    folder = tempfile.mkdtemp(prefix="zero3-offload-resume-")
+    try:
+        first = run_ranks(_wide_run, 2, folder, False, timeout=600)
+        resumed = run_ranks(_wide_run, 2, folder, True, timeout=600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert first[0]["state_bytes"] >= 300e6
+    for a, b in zip(first, resumed):
+        assert a["loss"] == b["loss"]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert len(a["state"]) == len(b["state"]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"]))
