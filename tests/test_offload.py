@@ -428,12 +428,12 @@ WIDE_STEPS = 2
 
 
 def _wide_run(rank, world, folder, resume):
-    """Wide (6 layers: 25.2M parameters, 302 MB of fp32 parameters + AdamW moments) with
+    """Wide (5 layers: 21M parameters, 252 MB of fp32 parameters + AdamW moments) with
     parameters and optimizer state on disk: ``resume=False`` trains WIDE_STEPS steps, saves, and
     takes one more; ``resume=True`` (new processes) loads the checkpoint and takes that step."""
     torch.manual_seed(0)
     model = Wide()
-    model.layers.extend(nn.Linear(2048, 2048, bias=False) for _ in range(2))
+    model.layers.append(nn.Linear(2048, 2048, bias=False))
     scratch = os.path.join(folder, f"offload-{rank}-{int(resume)}")
     z3.shard(model, offload=z3.Offload(params="disk", path=scratch), sync_timeout_s=120)
     opt = z3.offload_optimizer(
@@ -463,14 +463,14 @@ def _wide_run(rank, world, folder, resume):
     return {"loss": loss, "params": full, "state": state, "state_bytes": 3 * shard_bytes * world}
 
 
-def test_a_few_hundred_mb_offloaded_resume_in_new_processes_bit_identically():
+def test_250_mb_offloaded_resume_in_new_processes_bit_identically():
     folder = tempfile.mkdtemp(prefix="zero3-offload-resume-")
     try:
         first = run_ranks(_wide_run, 2, folder, False, timeout=600)
         resumed = run_ranks(_wide_run, 2, folder, True, timeout=600)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    assert first[0]["state_bytes"] >= 300e6
+    assert first[0]["state_bytes"] >= 250e6
     for a, b in zip(first, resumed):
         assert a["loss"] == b["loss"]
         assert a["params"].keys() == b["params"].keys()
