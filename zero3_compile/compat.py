@@ -153,9 +153,11 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
 
     gloo on torch 2.14: every heap corruption seen in our soak runs (``malloc(): unaligned tcache
     chunk detected``, a SIGSEGV in ``malloc``) had a gloo worker in an all-reduce while the main
-    thread was inside gloo's reduce-scatter (``reduce_scatter_single_coalesced``, new in 2.14);
-    none on 2.13. gloo reduce-scatters by all-reducing a copy of the whole input anyway, so the
-    all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own on any
+    thread was inside gloo's reduce-scatter (``reduce_scatter_single_coalesced``); none on 2.13 in
+    the soak. ``bench/repros/gloo_reduce_scatter_race.py`` reproduces it with torch alone on both
+    torches, with all-reduces too: the trigger is collectives in flight together; this lowers
+    the rate our jobs see, it is not a cure. gloo reduce-scatters by all-reducing a copy of the
+    whole input anyway, so the all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own on any
     torch, ``=0`` issues all-reduces on any torch (how the tests check the values on 2.13).
     """
     choice = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")

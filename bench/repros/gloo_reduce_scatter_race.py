@@ -1,16 +1,21 @@
-"""Attempted standalone reproduction: heap corruption around gloo's reduce-scatter on torch 2.14.
+"""Standalone reproduction: gloo corrupts the heap with collectives in flight together (torch
+2.13 and 2.14, torch alone).
 
-    python bench/repros/gloo_reduce_scatter_race.py --jobs 10 --seconds 60
-    python bench/repros/gloo_reduce_scatter_race.py --jobs 10 --seconds 60 --as-all-reduce
+    python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8                  # aborts
+    python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8 --as-all-reduce  # aborts
+    python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8 --variant serial # none
 
-The soak's aborts on torch 2.14 (``malloc(): unaligned tcache chunk detected``, a SIGSEGV in
-``malloc``) all had a gloo worker thread in an all-reduce while the main thread was inside gloo's
-reduce-scatter (``ProcessGroupGloo::reduce_scatter_single_coalesced``). This job does what a
-zero3 backward does to one process group, with torch alone: the next buckets' all-gathers in
-flight (prefetch), a functional reduce-scatter of a freshly built bucket whose input is dropped
-before the wait, small allocations on the main thread meanwhile, buckets of varying sizes. Every
-result is checked against the exact sum, so a silent corruption counts too. ``--as-all-reduce``
-issues the reduce-scatters as all-reduces and narrows this rank's rows (zero3's workaround).
+The soak's aborts (``malloc(): unaligned tcache chunk detected``, a SIGSEGV in ``malloc``) all
+had a gloo worker thread in an all-reduce while the main thread was inside gloo's reduce-scatter.
+This job does what a zero3 backward does to one process group, with torch alone: all-gathers in
+flight (prefetch), functional reduce-scatters of freshly built buckets of varying sizes whose
+inputs are dropped before the waits, small allocations on the main thread meanwhile. It aborts
+with the soak's stack within seconds. Every result is checked against the exact sum, so a silent
+corruption counts too. ``--as-all-reduce`` issues the reduce-scatters as all-reduces (zero3's
+workaround: not immune); ``--variant`` (comma-separated) isolates the ingredients: ``serial``
+waits each collective at once (one in flight: no abort seen), ``no-gathers``, ``no-reductions``,
+``one-gather``, ``keep-inputs``, ``no-junk``, ``two-groups`` (the reductions on a group of
+their own). ``REPRO_LOGS=dir`` keeps the failed ranks' output. Figures: bench/RESULTS.md, Soak.
 """
 
 from __future__ import annotations
