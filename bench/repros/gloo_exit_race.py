@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from two_ranks import run_job  # noqa: E402
 
 
 def rank_main(use_zero3: bool) -> None:
@@ -65,42 +65,13 @@ def rank_main(use_zero3: bool) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_job(use_zero3: bool, timeout_s: float) -> list[str]:
     """Each rank's outcome: "ok", "abort" (terminate called / killed by a signal), "hang"."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-        )
-        argv = [sys.executable, __file__, "--rank-main"] + (["--zero3"] if use_zero3 else [])
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     outcomes = []
-    deadline = time.monotonic() + timeout_s
-    for proc, log in procs:
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    for rc, text in run_job(__file__, ["--zero3"] if use_zero3 else [], timeout_s):
+        if rc is None:
             outcomes.append("hang")
-            continue
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-        if rc < 0 or "terminate called" in text:
+        elif rc < 0 or "terminate called" in text:
             outcomes.append("abort")
         elif rc != 0:
             sys.stderr.write(text)

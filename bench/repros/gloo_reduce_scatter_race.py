@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from two_ranks import run_job  # noqa: E402
 
 
 def rank_main(seconds: float, as_all_reduce: bool, variant: set[str]) -> None:
@@ -103,36 +104,14 @@ def rank_main(seconds: float, as_all_reduce: bool, variant: set[str]) -> None:
     sys.exit(3 if wrong else 0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_job(seconds: float, as_all_reduce: bool, variant: str) -> tuple[list[str], str]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")  # fmt: skip
-        argv = [sys.executable, __file__, "--rank-main", "--seconds", str(seconds)]
-        argv += ["--as-all-reduce"] if as_all_reduce else []
-        argv += ["--variant", variant] if variant else []
-        log = tempfile.TemporaryFile()
-        procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    args = ["--seconds", str(seconds)] + (["--as-all-reduce"] if as_all_reduce else [])
+    args += ["--variant", variant] if variant else []
     outcomes, texts = [], []
-    deadline = time.monotonic() + seconds + 120
-    for proc, log in procs:
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
-        log.seek(0)
-        text = log.read().decode(errors="replace")
+    for rank, (rc, text) in enumerate(run_job(__file__, args, seconds + 120)):
         if rc != 0 and os.environ.get("REPRO_LOGS"):
-            with open(os.path.join(os.environ["REPRO_LOGS"], f"{port}-{len(texts)}.log"), "w") as f:
+            name = f"{os.getpid()}-{time.monotonic_ns()}-rank{rank}.log"
+            with open(os.path.join(os.environ["REPRO_LOGS"], name), "w") as f:
                 f.write(text)
         texts.append(text.strip().splitlines()[-1] if text.strip() else "")
         if rc is None:
