@@ -248,7 +248,8 @@ def _digest(model) -> str:
 
         with loaded([state] if state.offload is not None else [], write_back=False):
             sha.update(name.encode())
-            sha.update(state.local().detach().contiguous().view(torch.uint8).numpy().tobytes())
+            # a copy: a numpy view would pin the storage, which eviction then cannot free
+            sha.update(state.local().detach().clone().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
 
 
