@@ -177,19 +177,6 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     return group.rank()
 
 
-def dynamo_is_tracing() -> bool:
-    """True while dynamo traces a frame, also in its own Python (its variable builders read
-    module attributes directly, where ``torch.compiler.is_compiling()`` is still False).
-
-    Private (``torch._guards.TracingContext``); checked 2.11-2.14.
-    """
-    if torch.compiler.is_compiling():
-        return True
-    from torch._guards import TracingContext
-
-    return TracingContext.try_get() is not None
-
-
 def default_store() -> dist.Store | None:
     """The store the default process group was created with (None if unavailable).
 
