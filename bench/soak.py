@@ -81,12 +81,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for every rank")
     parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="KEY=JSON: a backend option for every job (e.g. serial_collectives=false)",
+    )
+    parser.add_argument(
         "--cold-cache",
         action="store_true",
         help="an empty Inductor/AOTAutograd cache per job (every compile cold, as a fresh machine)",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "out", "soak"))
     return parser.parse_args(argv)
+
+
+def backend_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--option {pair!r}: use KEY=JSON, e.g. serial_collectives=false")
+        options[key] = json.loads(value)
+    return options
 
 
 def free_port() -> int:
@@ -110,6 +126,7 @@ def torch_version(python: str) -> str:
 def run_job(index: int, name: str, python: str, args, extra_env: dict, folder: str) -> dict:
     job = dict(CONFIGS[name])
     world = job.pop("world", args.world)
+    job["options"] = {**job.get("options", {}), **backend_options(args.option)}
     os.makedirs(folder, exist_ok=True)
     result_path = os.path.join(folder, "result.json")
     command = [
@@ -255,6 +272,7 @@ def main(argv=None) -> None:
             "torch": sorted(set(versions.values())),
             "configs": names,
             "env": extra_env,
+            "options": backend_options(args.option),
             "cold_cache": args.cold_cache,
             "by_status": {s: dict(c) for s, c in counts.items()},
             "failures": failures,

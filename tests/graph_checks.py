@@ -58,7 +58,7 @@ def analyze(records: list[GraphRecord]) -> dict:
                 inductor_gather_report(record.source_code)
             )
             entry.setdefault("generated_events", []).append(generated_events(record.source_code))
-            entry.setdefault("scheduled_events", []).append(scheduled_events(record.gm.graph))
+        entry.setdefault("scheduled_events", []).append(scheduled_events(record.gm.graph))
     return out
 
 

@@ -43,6 +43,8 @@ from .dist_utils import run_ranks
         ({"reload_depth": -2}, "reload_depth"),
         ({"reshard_after_forward": 1}, "reshard_after_forward"),
         ({"fused_copies": "no"}, "fused_copies"),
+        ({"serial_collectives": "gloo"}, "serial_collectives"),
+        ({"serial_collectives": 1}, "serial_collectives"),
         ({"sync_timeout_s": 0}, "sync_timeout_s"),
         ({"sync_timeout_s": "10"}, "sync_timeout_s"),
         ({"verify": "yes"}, "verify"),

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.torch_version import TorchVersion
 
 import zero3_compile as z3
 from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
@@ -25,8 +24,7 @@ from .dist_utils import run_ranks, run_scenarios
 from .training import PER_RANK_BATCH, build, make_optimizer, rel_diff
 
 TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
-# gloo's reduce-scatters are issued as all-reduces from torch 2.14 (compat.py says why)
-SHARD_REDUCTION = "all_reduce" if TorchVersion(torch.__version__) >= (2, 14) else "reduce_scatter"
+SHARD_REDUCTION = "reduce_scatter"  # the shard groups' reduction by default (compat.py)
 
 
 def _mesh(shape):
@@ -37,7 +35,7 @@ def train(rank, world, shape, model_name, codegen, precision=None, accumulate=Fa
     """3 SGD-momentum steps on every rank's slice; the reference trains the whole batch.
 
     ``rs="all_reduce"``: gradient reduce-scatters issued as all-reduces whatever the torch
-    (compat.gloo_reduce_scatter_as_all_reduce, the default on torch >= 2.14)."""
+    (compat.gloo_reduce_scatter_as_all_reduce)."""
     if rs is not None:
         os.environ["ZERO3_GLOO_REDUCE_SCATTER"] = {"all_reduce": "0", "gloo": "1"}[rs]
     try:
@@ -245,8 +243,8 @@ def test_collectives_per_group():
     "case", [c for c in CASES if len(c) == 7], ids=lambda c: "-".join(str(x) for x in c[1:])
 )
 def test_gloo_reduce_scatter_switch_picks_the_shard_groups_reduction(case):
-    """ZERO3_GLOO_REDUCE_SCATTER=0 issues the shard group's reductions as all-reduces (torch
-    2.14's default on gloo); on a 2-D mesh each rank's rows are taken before the replica stage, so
+    """ZERO3_GLOO_REDUCE_SCATTER=0 issues the shard group's reductions as all-reduces; on a 2-D
+    mesh each rank's rows are taken before the replica stage, so
     the replica all-reduces still carry the gradient shards only."""
     want = case[-1]
     for r in results()[case]:

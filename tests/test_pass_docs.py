@@ -14,6 +14,7 @@ from zero3_compile.compiler.passes import (
     lower_gathers,
     lower_reductions,
     prefetch_gathers,
+    serialize_collectives,
     tag_recompute,
 )
 
@@ -69,16 +70,31 @@ def examples():
         (prefetch_gathers, chain_graph, (assign_buckets, lower_gathers), "forward", {}),
         (lower_reductions, backward_chain, (assign_buckets,), "backward", {}),
         (insert_guard, lambda: chain_graph(1), (assign_buckets, lower_gathers), "forward", {}),
+        (
+            serialize_collectives,
+            chain_graph,
+            (assign_buckets, lower_gathers, prefetch_gathers),
+            "forward",
+            {},
+        ),
     ]
 
 
-@pytest.mark.parametrize("index", range(7), ids=[e[0].__name__ for e in examples()])
+# options of the plan an example runs under (default: the defaults)
+PLAN_OPTIONS = {serialize_collectives: {"prefetch_depth": 2, "serial_collectives": True}}
+
+
+def example_plan(graph_pass, kind):
+    return plan(kind, **PLAN_OPTIONS.get(graph_pass, {}))
+
+
+@pytest.mark.parametrize("index", range(8), ids=[e[0].__name__ for e in examples()])
 def test_docstring_pictures_are_what_the_pass_does(index):
     graph_pass, build, before_passes, kind, options = examples()[index]
     gm = build()
-    run(gm, plan(kind), *before_passes)
+    run(gm, example_plan(graph_pass, kind), *before_passes)
     before = picture(gm, **options)
-    run(gm, plan(kind), graph_pass)
+    run(gm, example_plan(graph_pass, kind), graph_pass)
     after = picture(gm, **options)
     assert docstring_block(graph_pass, "before") == before, f"before:\n{before}"
     assert docstring_block(graph_pass, "after") == after, f"after:\n{after}"
@@ -91,7 +107,7 @@ if __name__ == "__main__":  # print the pictures, to paste into the docstrings
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     for graph_pass, build, before_passes, kind, options in examples():
         gm = build()
-        run(gm, plan(kind), *before_passes)
+        run(gm, example_plan(graph_pass, kind), *before_passes)
         print(f"===== {graph_pass.__name__}\nbefore:\n{picture(gm, **options)}")
-        run(gm, plan(kind), graph_pass)
+        run(gm, example_plan(graph_pass, kind), graph_pass)
         print(f"after:\n{picture(gm, **options)}\n")

@@ -11,6 +11,7 @@ import zero3_compile as z3
 from zero3_compile.compat import ALL_GATHER, WAIT
 from zero3_compile.compiler.graph_facts import gathered_values
 from zero3_compile.compiler.recording import record_graphs
+from zero3_compile.compiler.signature import most_in_flight, scheduled_events
 
 from .models import GPT, GPTConfig, gpt_batch
 from .runs import results
@@ -119,6 +120,37 @@ def test_inductor_code_issues_and_waits_exactly_where_the_schedule_does():
                 assert generated[0] == ("guard", -1)
                 waits = [e for e in generated if e[0] == "wait"]
                 assert waits, kind
+
+
+def test_gloo_graphs_keep_one_collective_in_flight():
+    """On gloo every graph waits each collective before issuing the next (several in flight
+    corrupt gloo's heap: bench/repros/gloo_reduce_scatter_race.py); compute still overlaps the
+    one in flight."""
+    for codegen in ("eager", "inductor"):
+        for per_rank in results(2, codegen):
+            for kind in ("forward", "backward"):
+                graphs = per_rank["gpt/sgd/c"]["graphs"][kind]
+                events = graphs["generated_events" if codegen == "inductor" else "scheduled_events"]
+                assert events, (codegen, kind)
+                for sequence in events:
+                    assert most_in_flight(sequence) == 1, (codegen, kind, sequence)
+    report = results(2, "inductor")[0]["gpt/sgd/c"]["graphs"]["backward"]["inductor_gathers"]
+    assert sum(g["overlapped"] for g in report) >= len(report) - 1, report
+
+
+@pytest.mark.parametrize("serial", [True, False, "auto"])
+def test_serial_collectives_option_decides_how_many_are_in_flight(fake_pg, serial):
+    """The ``fake`` group is not gloo: "auto" leaves its backward graph with a reduce-scatter
+    and the next all-gather in flight together, True serializes it."""
+    model = z3.shard(GPT(GPTConfig(n_layer=3)))
+    options = {"codegen": "eager", "serial_collectives": serial}
+    step = torch.compile(model, backend="zero3", options=options)
+    with record_graphs() as records:
+        step(gpt_batch(2)[0]).sum().backward()
+    (backward,) = [r for r in records if r.kind == "backward"]
+    events = scheduled_events(backward.gm.graph)
+    assert sum(kind == "issue" for kind, _ in events) > 2
+    assert most_in_flight(events) == (1 if serial is True else 2), events
 
 
 def _gathered_intervals(gm: torch.fx.GraphModule) -> list[tuple[int, int, int]]:

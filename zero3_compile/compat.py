@@ -144,29 +144,26 @@ def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-_GLOO_REDUCE_SCATTER_SUSPECT = TorchVersion(torch.__version__) >= (2, 14)
-
-
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
-    """This rank's index in ``group_name`` where its reduce-scatters must be issued as
-    all-reduces (the caller keeps its own rows), else None.
+    """This rank's index in ``group_name`` where its reduce-scatters are to be issued as
+    all-reduces (the caller keeps its own rows), else None: only with
+    ``ZERO3_GLOO_REDUCE_SCATTER=0``, on gloo groups.
 
-    gloo on torch 2.14: every heap corruption seen in our soak runs (``malloc(): unaligned tcache
-    chunk detected``, a SIGSEGV in ``malloc``) had a gloo worker in an all-reduce while the main
-    thread was inside gloo's reduce-scatter (``reduce_scatter_single_coalesced``); none on 2.13 in
-    the soak. ``bench/repros/gloo_reduce_scatter_race.py`` reproduces it with torch alone on both
-    torches, with all-reduces too: the trigger is collectives in flight together; this lowers
-    the rate our jobs see, it is not a cure. gloo reduce-scatters by all-reducing a copy of the
-    whole input anyway, so the all-reduce moves the same bytes. ``ZERO3_GLOO_REDUCE_SCATTER=1`` keeps gloo's own on any
-    torch, ``=0`` issues all-reduces on any torch (how the tests check the values on 2.13).
+    History: the heap corruptions of our soak runs on torch 2.14 had a gloo worker in an
+    all-reduce while the main thread was inside gloo's reduce-scatter, so 2.14 issued them as
+    all-reduces for a while. ``bench/repros/gloo_reduce_scatter_race.py`` then showed the trigger
+    is any collectives in flight together, all-reduces too; the cure is
+    ``passes/serialize.py`` (one gloo collective in flight), and gloo's own reduce-scatter is
+    used again. gloo reduce-scatters by all-reducing a copy of the whole input, so the switch
+    moves the same bytes; it stays for comparisons.
     """
     choice = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
     if choice not in ("", "0", "1"):
         raise ValueError(
-            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 1 (gloo's own reduce-scatter), "
-            "0 (all-reduces) or leave it unset (all-reduces on torch >= 2.14)"
+            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 0 (issue gloo's reduce-scatters as "
+            "all-reduces), 1 or leave it unset (gloo's own reduce-scatter)"
         )
-    if choice == "1" or (choice == "" and not _GLOO_REDUCE_SCATTER_SUSPECT):
+    if choice != "0":
         return None
     try:
         group = resolve_group(group_name)

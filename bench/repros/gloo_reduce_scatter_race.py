@@ -65,6 +65,8 @@ def rank_main(seconds: float, as_all_reduce: bool, variant: set[str]) -> None:
             sizes[: 1 if "one-gather" in variant else 3] if "no-gathers" not in variant else []
         ):
             shard = torch.full((n,), float(rank))
+            if "chain" in variant and gathers:  # one in flight, the main thread goes on
+                gathers[-1] = (gathers[-1][0], c10d.wait_tensor(gathers[-1][1]))
             gathers.append((n, c10d.all_gather_into_tensor(shard, world, gather_group)))
             if "serial" in variant:  # one collective in flight at a time
                 gathers[-1] = (n, c10d.wait_tensor(gathers[-1][1]))
@@ -74,6 +76,11 @@ def rank_main(seconds: float, as_all_reduce: bool, variant: set[str]) -> None:
         results = []
         for n in sizes[3:] if "no-reductions" not in variant else []:
             bucket = torch.arange(world * n, dtype=torch.float32) + rank  # built, then dropped
+            if "chain" in variant:
+                if results:
+                    results[-1] = (results[-1][0], c10d.wait_tensor(results[-1][1]))
+                elif gathers:
+                    gathers[-1] = (gathers[-1][0], c10d.wait_tensor(gathers[-1][1]))
             if as_all_reduce:
                 results.append((n, c10d.all_reduce(bucket, "sum", group)))
             else:

@@ -42,6 +42,10 @@ class Options:
         (about 6% on a 25M-parameter GPT on 2 CPU ranks), slower cold compiles (about 1.8x;
         on CPU each kernel is a compiler run). False (default): four fixed operations
         (``zero3::gather_copy_in`` and the others) that Inductor calls as they are.
+    serial_collectives: "auto" (default) waits each collective of a gloo process group before
+        the next one is issued, so one is in flight at a time (compute still overlaps it): torch's
+        gloo corrupts the heap with several in flight (``bench/repros/gloo_reduce_scatter_race.py``).
+        True serializes every group's collectives, False none (gloo then is not safe).
     sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
         compiled graph runs, before raising an error naming the missing ranks instead of
         hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
@@ -63,6 +67,7 @@ class Options:
     reload_depth: int = 1
     reshard_after_forward: bool = True
     fused_copies: bool = False
+    serial_collectives: bool | str = "auto"
     sync_timeout_s: float | None = None
     verify: bool = True
     dump_dir: str | None = None
@@ -135,6 +140,11 @@ class Options:
             raise ValueError("zero3: option reshard_after_forward must be True or False")
         if not isinstance(self.fused_copies, bool):
             raise ValueError("zero3: option fused_copies must be True or False")
+        if not (isinstance(self.serial_collectives, bool) or self.serial_collectives == "auto"):
+            raise ValueError(
+                "zero3: option serial_collectives must be 'auto', True or False, got "
+                f"{self.serial_collectives!r}"
+            )
         if not isinstance(self.verify, bool):
             raise ValueError(f"zero3: option verify must be True or False, got {self.verify!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):

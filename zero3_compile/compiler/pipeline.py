@@ -23,6 +23,7 @@ from .passes import (
     prefetch_gathers,
     prefetch_reloads,
     refuse_param_writes,
+    serialize_collectives,
     tag_recompute,
     verify,
 )
@@ -38,6 +39,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     lower_gathers,
     prefetch_gathers,
     prefetch_reloads,
+    serialize_collectives,
     insert_guard,
 )
 BACKWARD_PASSES: tuple[Pass, ...] = (
@@ -46,6 +48,7 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     prefetch_gathers,
     prefetch_reloads,
     lower_reductions,
+    serialize_collectives,
     insert_guard,
 )
 

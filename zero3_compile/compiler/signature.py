@@ -143,6 +143,19 @@ def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
     return events
 
 
+def most_in_flight(events: list[tuple[str, int]]) -> int:
+    """The most collectives issued and not yet waited at any point of ``events``."""
+    pending: set[int] = set()
+    most = 0
+    for kind, index in events:
+        if kind == "issue":
+            pending.add(index)
+            most = max(most, len(pending))
+        elif kind == "wait":
+            pending.discard(index)
+    return most
+
+
 def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]:
     """(kind, output elements or None) of each collective in Inductor's generated wrapper code.
 
@@ -207,7 +220,9 @@ def check_generated_order(graph: fx.Graph, source_code: str | None, label: str) 
     )
     events = generated_events(source_code)
     guard_first = bool(events) and events[0] == ("guard", -1)
-    if not same or not guard_first:
+    # a serialized graph (gloo: ``serialize_collectives``) must stay serialized
+    serial = most_in_flight(events) <= max(1, most_in_flight(scheduled_events(graph)))
+    if not same or not guard_first or not serial:
         raise GeneratedOrderError(
             f"zero3: Inductor reordered the collectives of {label}: scheduled "
             f"{scheduled_events(graph)}, generated {events} ({found}). This could hang ranks; "

@@ -5,7 +5,7 @@ Dynamo graph (before AOTAutograd): refuse_param_writes, hoist_shard_reads, dedup
 Joint graph (before partitioning):  dedupe_gathers, tag_recompute
 Forward / backward graphs:          assign_buckets, lower_gathers, prefetch_gathers,
                                     prefetch_reloads, lower_reductions (backward only),
-                                    insert_guard
+                                    serialize_collectives, insert_guard
 """
 
 from .bucketing import assign_buckets
@@ -17,6 +17,7 @@ from .lower_reductions import lower_reductions
 from .param_writes import refuse_param_writes
 from .prefetch import prefetch_gathers, prefetch_reloads
 from .recompute import tag_recompute
+from .serialize import serialize_collectives
 from .verify import check_no_gathered_saved, verify
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "prefetch_gathers",
     "prefetch_reloads",
     "refuse_param_writes",
+    "serialize_collectives",
     "tag_recompute",
     "verify",
 ]
