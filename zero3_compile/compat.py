@@ -174,6 +174,21 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     return group.rank()
 
 
+def dynamo_compile_count() -> tuple[int, int, int] | None:
+    """(frame id, how many times dynamo has compiled that frame so far, its recompile limit)
+    for the compile in progress; None outside one. ``CompileContext`` is private; its
+    ``frame_compile_id`` counts from 0. The limit was ``cache_size_limit`` before torch 2.6."""
+    import torch._dynamo
+    import torch._guards
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_compile_id is None:
+        return None
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
+    return compile_id.frame_id, compile_id.frame_compile_id + 1, int(limit)
+
+
 def default_store() -> dist.Store | None:
     """The store the default process group was created with (None if unavailable).
 

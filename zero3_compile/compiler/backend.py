@@ -34,6 +34,7 @@ from ..compat import (
     aot_autograd_backend,
     autograd_cache_disabled,
     boxed_codegen,
+    dynamo_compile_count,
     group_backend,
     inductor_compile_fx,
     inductor_config_patches,
@@ -53,6 +54,7 @@ from .graph_utils import copy_graph_module, output_node
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
 from .passes import check_no_gathered_saved
+from .passes.bind import bind_markers
 from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
 from .recording import GraphRecord
@@ -75,11 +77,13 @@ def zero3_backend(
     start = time.perf_counter()
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)
+    _warn_at_recompile_limit(gm)
     if opts.sync_timeout_s is None:  # the model's own (shard(sync_timeout_s=...)), in the graphs
         opts = dataclasses.replace(opts, sync_timeout_s=_model_timeout(gm, example_inputs))
     recording.compiling()
     ctx = CompileContext(opts, recorders=recording.listening())
     with _timed("dynamo graph passes"):
+        bind_markers(gm, example_inputs)
         run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
         gm.recompile()
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
@@ -118,6 +122,36 @@ def _group_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str
     for state in _sharded_states(gm, example_inputs):
         names.update(n for n in (state.spec.group, state.spec.replicate_group) if n)
     return tuple(sorted(names))
+
+
+def _warn_at_recompile_limit(gm: fx.GraphModule) -> None:
+    """Once, at the last compile of a frame dynamo allows: what its next variant costs, and the
+    fixes (dynamo's own warning comes later, when the variant already runs uncompiled)."""
+    count = dynamo_compile_count()
+    if count is None or count[1] != count[2]:
+        return
+    frame, compiles, limit = count
+    where = next(
+        (
+            line.strip()
+            for node in gm.graph.nodes
+            for line in (node.meta.get("stack_trace") or "").splitlines()
+            if line.strip().startswith("File ")
+        ),
+        "its first line unknown",
+    )
+    log.warning(
+        "zero3: dynamo has compiled frame %s (%s) %d times, its recompile_limit: the next variant "
+        "of it will run uncompiled, gathering each parameter with a collective of its own. When "
+        "blocks are compiled one by one (block.compile()), they differ in something dynamo "
+        "guards on (TORCH_LOGS=recompiles names it: a Python attribute such as a layer index "
+        "read in forward, other shapes or dtypes); make the blocks alike, compile their parent "
+        "once (torch.compile(model, backend='zero3')), or raise "
+        "torch._dynamo.config.recompile_limit.",
+        frame,
+        where,
+        compiles,
+    )
 
 
 def _model_timeout(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> float:

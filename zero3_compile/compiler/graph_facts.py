@@ -108,6 +108,18 @@ def constants(graph: fx.Graph) -> set[fx.Node]:
     return constant
 
 
+def shard_source(node: fx.Node) -> fx.Node:
+    """The graph input a shard is read from: through ``to_local`` and views (single-input
+    nodes), up to a placeholder; the shard node itself when it is computed otherwise."""
+    current = node
+    while isinstance(current, fx.Node) and current.op in ("call_method", "call_function"):
+        inputs = current.all_input_nodes
+        if len(inputs) != 1:
+            return node
+        current = inputs[0]
+    return current if isinstance(current, fx.Node) and current.op == "placeholder" else node
+
+
 def shard_inputs(graph: fx.Graph) -> set[fx.Node]:
     """Placeholders holding shards: read (through views) by a marker or an all-gather's input."""
     found: set[fx.Node] = set()

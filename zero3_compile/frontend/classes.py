@@ -2,9 +2,13 @@
 
 - one property per parameter name: reading ``module.weight`` returns the full tensor through the
   differentiable ``zero3::unshard`` operation, so unmodified forward code runs, eagerly or under
-  ``torch.compile``. The getter is generated with the parameter's id and ``ShardSpec`` literal
-  as constants of its code: read from a closure or an attribute, dynamo would treat the shape
-  integers as inputs and, on a recompile, make them symbolic.
+  ``torch.compile``. Under ``torch.compile`` the getter emits an unbound marker: the parameter's
+  ``ShardSpec`` literal without its name (``ShardSpec.unbound_literal``) and ``UNBOUND_ID``, as
+  constants of its code (read from a closure or an attribute, dynamo would treat the shape
+  integers as inputs and, on a recompile, make them symbolic); the backend binds each marker to
+  the parameter its shard is read from (``compiler/passes/bind.py``). So the layers of identical
+  blocks share one generated class and dynamo compiles a block once for all of them
+  (``for b in blocks: b.compile(backend="zero3")``).
 - ``Zero3Module`` (``module.py``) among its bases: ``isinstance(m, z3.Zero3Module)`` and the
   methods integrations call.
 - ``__setattr__`` / ``register_parameter`` (``assignment.py``): a parameter or module assigned
@@ -17,7 +21,8 @@
 
 The class name stays the original's, so code that looks at ``type(m).__name__`` sees no change.
 Generated classes are shared by modules with the same base class and the same parameter specs
-(the same layer of two instances of a model), so dynamo reuses compiled code across them.
+but for the names (the same layer of every block, of every instance of a model), so dynamo
+reuses compiled code across them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..sharding.spec import UNBOUND_ID
 from ..sharding.state import ModuleState, ShardedParam, ShardState, module_state, set_module_state
 from .module import Zero3Module
 
@@ -84,7 +90,7 @@ def reclass(module: nn.Module) -> None:
     """Give ``module`` the generated class matching its base class and its parameters."""
     base = base_class(module)
     params = module_state(module).params
-    key = (base, tuple(sorted((attr, s.param_id, s.spec.literal()) for attr, s in params.items())))
+    key = (base, tuple(sorted((attr, s.spec.unbound_literal()) for attr, s in params.items())))
     cls = _classes.get(key)
     if cls is None:
         namespace = class_namespace(base)
@@ -96,7 +102,9 @@ def reclass(module: nn.Module) -> None:
 
 
 def _make_getter(attr: str, state: ShardedParam):
-    """The property getter of one parameter: ``unshard`` of its local shard.
+    """The property getter of one parameter: ``unshard`` of its local shard (an unbound marker
+    while dynamo traces, see the module docstring; ``state`` gives only what the parameters of
+    one generated class have in common).
 
     Inside a leaf module's forward the full parameter was gathered with the whole block; while
     gradient sync is off the full gradient goes to the parameter's sink instead of a collective,
@@ -129,9 +137,10 @@ def _make_getter(attr: str, state: ShardedParam):
         "        sink = param_state.grad_sink\n"
         f"    shard = self._parameters[{attr!r}].to_local()\n"
         "    if is_compiling():\n"
-        f"        return unshard(shard, {state.param_id}, {state.spec.literal()!r}, sink)\n"
+        f"        return unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
         "    with param_state.root.active():\n"
-        f"        full = unshard(shard, {state.param_id}, {state.spec.literal()!r}, sink)\n"
+        "        spec = param_state.spec.literal()\n"
+        "        full = unshard(shard, param_state.param_id, spec, sink)\n"
         "    return gathered_parameter(full, param_state)\n"
     )
     from ..runtime.write_through import gathered_parameter
@@ -146,7 +155,7 @@ def _make_getter(attr: str, state: ShardedParam):
         "LOADING": ShardState.LOADING,
         "torch": torch,
     }
-    exec(compile(source, f"<zero3 parameter {state.fqn}>", "exec"), namespace)
+    exec(compile(source, f"<zero3 parameter {attr}>", "exec"), namespace)
     return namespace["get_full_parameter"]
 
 

@@ -28,6 +28,11 @@ node; its backward is ``zero3::reduce_grad(grad, param_id, spec, shard_shape, sh
 parameter that is the same on every rank. The op schemas never change when a field is added here;
 graphs and the generated getters hold the literal, compile caches key on it, and
 ``ShardSpec.parse`` reads it back (once per distinct literal).
+
+Traced through a module's getter the marker is unbound: ``param_id`` is ``UNBOUND_ID`` and the
+literal is ``unbound_literal()`` (no name), so identical blocks trace to identical graphs;
+the backend's first step binds every marker to the parameter its shard is read from
+(``compiler/passes/bind.py``). Every pass sees bound markers only.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 SPEC_VERSION = 1
+
+# the param_id of a marker not yet bound to its parameter (see [Note: the marker contract])
+UNBOUND_ID = -1
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,10 @@ class ShardSpec:
     def literal(self) -> str:
         """The canonical string of this spec (see [Note: the marker contract])."""
         return _literal(self)
+
+    def unbound_literal(self) -> str:
+        """The literal without the name: what the parameters of identical blocks share."""
+        return _literal(replace(self, fqn=""))
 
     @staticmethod
     def parse(literal: str) -> ShardSpec:

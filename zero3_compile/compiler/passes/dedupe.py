@@ -8,6 +8,7 @@ import torch.fx as fx
 from ...collectives.ops import is_unshard
 from ...compat import set_grad_enabled_target
 from ..context import PassContext
+from ..graph_facts import shard_source
 from ..markers import UnshardCall
 
 
@@ -57,7 +58,7 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not is_unshard(node):
             continue
         call = UnshardCall.of(node)
-        key = (_source(call.shard), call.param_id, call.grad_sink is None)
+        key = (shard_source(call.shard), call.param_id, call.grad_sink is None)
         kept = first.get(key)
         if kept is None:
             first[key] = [node, grad_enabled]
@@ -69,18 +70,6 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
             _record_autograd(graph, kept[0])
             kept[1] = True
     graph.lint()
-
-
-def _source(node: fx.Node) -> fx.Node:
-    """The graph input a shard is read from: through ``to_local`` and views (single-input
-    nodes), up to a placeholder; the shard node itself when it is computed otherwise."""
-    current = node
-    while isinstance(current, fx.Node) and current.op in ("call_method", "call_function"):
-        inputs = current.all_input_nodes
-        if len(inputs) != 1:
-            return node
-        current = inputs[0]
-    return current if isinstance(current, fx.Node) and current.op == "placeholder" else node
 
 
 def _erase_dead_reads(graph: fx.Graph, node) -> None:
