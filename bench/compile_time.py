@@ -2,6 +2,7 @@
 
     python bench/compile_time.py --world 2                      # quick and gpt-small
     python bench/compile_time.py --world 2 --models quick
+    python bench/compile_time.py --depth 2,8,24,80              # cold compile against depth
 
 For each contender and model: a cold start (an empty Inductor / AOTAutograd cache directory),
 then a restart with the same cache directory (what a preempted job pays when it comes back).
@@ -28,9 +29,25 @@ from bench.orchestrate import run_spec  # noqa: E402
 from bench.runner import RunSpec  # noqa: E402
 
 CONTENDERS = ("zero3", "ddp-compiled", "fsdp2-compiled")
+# --depth: the whole model and each block compiled, against plain compile and FSDP2's per block
+DEPTH_CONTENDERS = (
+    "zero3",
+    "zero3-per-block",
+    "zero3-eager-codegen",
+    "single-compiled",
+    "fsdp2-compiled",
+)
 
 
-def measure(contender: str, model: str, world: int, out: str, threads: int) -> dict:
+def measure(
+    contender: str,
+    model: str,
+    world: int,
+    out: str,
+    threads: int,
+    n_layer: int | None = None,
+    warm_restart: bool = True,
+) -> dict:
     cache = tempfile.mkdtemp(prefix=f"bench-compile-{contender}-")
     try:
         spec = RunSpec(
@@ -44,21 +61,17 @@ def measure(contender: str, model: str, world: int, out: str, threads: int) -> d
             seed=0,
             threads=threads,
             record_graphs=False,  # recorded graphs are always compiled, never loaded
+            n_layer=n_layer,
         )
         logs = os.path.join(out, "logs")
+        name = f"{contender}-{model}" + (f"-L{n_layer}" if n_layer else "")
         cold = run_spec(
-            spec,
-            log_dir=logs,
-            timeout_s=3600,
-            cache_dir=cache,
-            log_name=f"{contender}-{model}-cold",
+            spec, log_dir=logs, timeout_s=3600, cache_dir=cache, log_name=f"{name}-cold"
         )
-        warm = run_spec(
-            spec,
-            log_dir=logs,
-            timeout_s=3600,
-            cache_dir=cache,
-            log_name=f"{contender}-{model}-warm",
+        warm = (
+            run_spec(spec, log_dir=logs, timeout_s=3600, cache_dir=cache, log_name=f"{name}-warm")
+            if warm_restart
+            else {}
         )
         kernels = _generated_kernels(cache)
     finally:
@@ -72,7 +85,8 @@ def measure(contender: str, model: str, world: int, out: str, threads: int) -> d
     }
     if contender == "zero3" and cold.get("status") == "ok":
         row["breakdown"] = cold["ranks"][0].get("zero3_compile_s", {})
-        row["warm_breakdown"] = warm["ranks"][0].get("zero3_compile_s", {})
+        if warm.get("status") == "ok":
+            row["warm_breakdown"] = warm["ranks"][0].get("zero3_compile_s", {})
     return row
 
 
@@ -90,9 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="quick,gpt-small")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
+        "--depth",
+        default="",
+        help="comma-separated block counts: cold compiles of --depth-model at each depth",
+    )
+    parser.add_argument("--depth-model", default="gpt-w128")
+    parser.add_argument("--depth-contenders", default=",".join(DEPTH_CONTENDERS))
+    parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     )
     args = parser.parse_args(argv)
+    if args.depth:
+        return depth_table(args)
     results = {}
     for model in args.models.split(","):
         for contender in CONTENDERS:
@@ -131,6 +154,54 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"compile-time-w{args.world}.json"), "w") as f:
         json.dump({f"{m}/{c}": r for (m, c), r in results.items()}, f, indent=1, default=str)
+    return 0
+
+
+def depth_table(args) -> int:
+    """Cold compile seconds (first step minus a steady step, slowest rank) and steady step
+    time at each depth, every contender side by side."""
+    depths = [int(d) for d in args.depth.split(",")]
+    contenders = args.depth_contenders.split(",")
+    rows = {}
+    for depth in depths:
+        for contender in contenders:
+            print(f"{contender} at {depth} blocks ...", file=sys.stderr, flush=True)
+            rows[(depth, contender)] = measure(
+                contender,
+                args.depth_model,
+                args.world,
+                args.out,
+                args.threads,
+                n_layer=depth,
+                warm_restart=False,
+            )
+    print(
+        f"\n{args.world} CPU ranks, gloo, torch {torch.__version__}, {args.depth_model} blocks, "
+        "cold compile s (slowest rank) / steady step ms\n"
+    )
+    print("| blocks | " + " | ".join(contenders) + " |")
+    print("|---:|" + "---:|" * len(contenders))
+    for depth in depths:
+        cells = []
+        for contender in contenders:
+            row = rows[(depth, contender)]
+            cold, step = row["cold_s"], row["step_s"]
+            cells.append("-" if cold is None else f"{cold:.1f} s / {1e3 * step:.0f} ms")
+        print(f"| {depth} | " + " | ".join(cells) + " |")
+    first = depths[0]
+    print(f"\ncold compile relative to {first} blocks:\n")
+    for contender in contenders:
+        base = rows[(first, contender)]["cold_s"]
+        ratios = [
+            f"{rows[(d, contender)]['cold_s'] / base:.2f}x"
+            if base and rows[(d, contender)]["cold_s"]
+            else "-"
+            for d in depths
+        ]
+        print(f"- {contender}: " + ", ".join(ratios))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"compile-depth-w{args.world}.json"), "w") as f:
+        json.dump({f"{d}/{c}": r for (d, c), r in rows.items()}, f, indent=1, default=str)
     return 0
 
 

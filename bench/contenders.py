@@ -180,14 +180,20 @@ def setup_fsdp2(model: nn.Module, ctx: Context, compiled: bool = False) -> Train
     return Trainer(model, model, ctx.optim.adamw(model.parameters()))
 
 
-def setup_zero3(model: nn.Module, ctx: Context, codegen: str = "inductor") -> Trainer:
+def setup_zero3(
+    model: nn.Module, ctx: Context, codegen: str = "inductor", per_block: bool = False
+) -> Trainer:
     import zero3_compile as z3
 
     z3.shard(model)
     optimizer = ctx.optim.adamw(model.parameters())
     options = {"codegen": codegen, **ctx.zero3_options}
-    step_module = torch.compile(model, backend="zero3", options=options)
-    return Trainer(step_module, model, optimizer)
+    if not per_block:
+        step_module = torch.compile(model, backend="zero3", options=options)
+        return Trainer(step_module, model, optimizer)
+    for block in transformer_blocks(model):  # FSDP2's habit; the rest of the model runs eagerly
+        block.compile(backend="zero3", options=options)
+    return Trainer(model, model, optimizer)
 
 
 def deepspeed_config(ctx: Context) -> dict[str, Any]:
@@ -265,6 +271,13 @@ CONTENDERS: dict[str, Contender] = {
             "zero3-eager-codegen",
             "this project, scheduled FX graphs run as they are",
             _partial(setup_zero3, codegen="eager"),
+            comm_source="graphs",
+            compiled=True,
+        ),
+        Contender(
+            "zero3-per-block",
+            "this project, each block compiled (block.compile), the rest eager",
+            _partial(setup_zero3, per_block=True),
             comm_source="graphs",
             compiled=True,
         ),

@@ -152,6 +152,12 @@ PRESETS: dict[str, ModelPreset] = {
             per_rank_batch=4,
             seq_len=64,
         ),
+        ModelPreset(  # compile_time.py --depth: blocks of width 128, as many as asked
+            "gpt-w128",
+            GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128),
+            per_rank_batch=4,
+            seq_len=64,
+        ),
         ModelPreset(  # ~25M parameters
             "gpt-small",
             GPTConfig(vocab_size=12288, block_size=256, n_layer=6, n_head=8, n_embd=512),

@@ -8,6 +8,7 @@ loss is kept: all contenders run the same number of steps on the same batches.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import time
@@ -44,6 +45,7 @@ class RunSpec:
     # read zero3's communication from its compiled graphs (recording them compiles every graph
     # instead of loading it from the caches: off for warm-start compile times)
     record_graphs: bool = True
+    n_layer: int | None = None  # the preset's depth, or this many blocks (compile_time.py --depth)
 
 
 def _device(spec: RunSpec, rank: int) -> torch.device:
@@ -59,6 +61,10 @@ def run_contender(rank: int, processes: int, spec: RunSpec) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     contender = CONTENDERS[spec.contender]
     preset = PRESETS[spec.preset]
+    if spec.n_layer is not None:
+        preset = dataclasses.replace(
+            preset, config=dataclasses.replace(preset.config, n_layer=spec.n_layer)
+        )
     device = _device(spec, rank)
     world = spec.world if contender.distributed else 1
     ctx = Context(
