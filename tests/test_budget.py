@@ -187,11 +187,13 @@ def test_a_larger_budget_never_costs_more_collectives_or_gathered_bytes():
         gathered = [r[k]["gathered_bytes"] for k in ORDER]
         assert kept == sorted(kept) and gathers == sorted(gathers, reverse=True), (kept, gathers)
         assert gathered == sorted(gathered, reverse=True), gathered
-        # the ends: the minimum is pure ZeRO-3, the whole budget keeps every parameter and
-        # gathers nothing in backward (reshard_after_forward=False's schedule, whose graphs
-        # tests/test_partition.py checks)
+        # the ends: the minimum peaks as pure ZeRO-3 does (what it keeps costs nothing at the
+        # step's peak: with one gloo collective in flight the peak is where no kept parameter
+        # is alive), the whole budget keeps every parameter and gathers nothing in backward
+        # (reshard_after_forward=False's schedule, whose graphs tests/test_partition.py checks)
         assert r["minimum"]["collectives"] == r["none"]["collectives"]
-        assert r["minimum"]["plan"]["kept"] == []
+        assert r["minimum"]["plan"]["estimated"] <= r["minimum"]["plan"]["minimum"]
+        assert r["minimum"]["gathered_bytes"] <= r["none"]["gathered_bytes"]
         assert r["none"]["backward_gathers"] > 0
         assert r["everything"]["backward_gathers"] == 0
         assert len(r["everything"]["plan"]["kept"]) == r["everything"]["plan"]["candidates"]

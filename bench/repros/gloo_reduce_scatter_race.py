@@ -4,6 +4,7 @@
     python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8                  # aborts
     python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8 --as-all-reduce  # aborts
     python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8 --variant serial # none
+    python bench/repros/gloo_reduce_scatter_race.py --jobs 6 --seconds 8 --variant chain  # none
 
 The soak's aborts (``malloc(): unaligned tcache chunk detected``, a SIGSEGV in ``malloc``) all
 had a gloo worker thread in an all-reduce while the main thread was inside gloo's reduce-scatter.
@@ -13,7 +14,9 @@ inputs are dropped before the waits, small allocations on the main thread meanwh
 with the soak's stack within seconds. Every result is checked against the exact sum, so a silent
 corruption counts too. ``--as-all-reduce`` issues the reduce-scatters as all-reduces (zero3's
 workaround: not immune); ``--variant`` (comma-separated) isolates the ingredients: ``serial``
-waits each collective at once (one in flight: no abort seen), ``no-gathers``, ``no-reductions``,
+waits each collective at once (one in flight: no abort seen), ``chain`` waits each one right
+before the next is issued while the main thread goes on allocating (one in flight, overlapped
+with work: zero3's ``serial_collectives``; no abort seen), ``no-gathers``, ``no-reductions``,
 ``one-gather``, ``keep-inputs``, ``no-junk``, ``two-groups`` (the reductions on a group of
 their own). ``REPRO_LOGS=dir`` keeps the failed ranks' output. Figures: bench/RESULTS.md, Soak.
 """
@@ -142,7 +145,8 @@ def main() -> None:
     parser.add_argument(
         "--variant",
         default="",
-        help="comma-separated: keep-inputs, no-gathers, no-reductions, no-junk, one-gather, two-groups, serial",
+        help="comma-separated: keep-inputs, no-gathers, no-reductions, no-junk, one-gather, "
+        "two-groups, serial, chain",
     )
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -3,11 +3,14 @@ functions into a graph, moving nodes."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compat import fake_tensor_types
 
@@ -77,14 +80,99 @@ def splice(
     inputs: Sequence[fx.Node],
     fake_mode: FakeTensorMode | None = None,
 ) -> tuple[object, list[fx.Node]]:
-    """Trace ``fn`` on the fake values of ``inputs`` (ATen level, as the graph is) and copy its
+    """Trace ``fn`` on the fake values of ``inputs`` (ATen level, as the graph is) and insert its
     ops into ``graph`` at the insertion point, as Inductor's bucketing passes do.
 
     Returns (the result's node structure, the nodes created). Every created node carries the
-    ``val`` computed while tracing.
+    ``val`` computed while tracing. The ops are recorded as they dispatch (``_Recorder``), not
+    through ``make_fx``, whose fixed cost per call (a tracer, a GraphModule and its code) made
+    lowering a large share of a deep model's compile; inputs with symbolic shapes still go
+    through ``make_fx``.
     """
     fake_mode = fake_mode or fake_mode_of(graph) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [node.meta["val"] for node in inputs]
+    if any(_symbolic(f) for f in fakes):
+        return _splice_make_fx(graph, fn, inputs, fakes, fake_mode)
+    recorder = _Recorder(graph, inputs, fakes)
+    with fake_mode, recorder:
+        out = fn(*fakes)
+    return recorder.result(out), recorder.created
+
+
+def _symbolic(value) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
+
+
+class _Recorder(TorchDispatchMode):
+    """Appends a node for every ATen (or custom) op ``fn`` dispatches, with its fake output as
+    ``val``; tensors are matched to nodes by identity."""
+
+    def __init__(self, graph: fx.Graph, inputs: Sequence[fx.Node], fakes: Sequence[object]):
+        super().__init__()
+        self.graph = graph
+        self.nodes: dict[int, fx.Node] = {id(f): n for f, n in zip(fakes, inputs)}
+        self.keep: list[object] = list(fakes)  # ids stay valid while the trace runs
+        self.created: list[fx.Node] = []
+
+    def node_of(self, value) -> fx.Node | None:
+        return self.nodes.get(id(value))
+
+    def _arg(self, value):
+        if isinstance(value, torch.Tensor):
+            node = self.node_of(value)
+            if node is None:
+                raise RuntimeError(
+                    "zero3: a spliced function read a tensor that is neither its input nor "
+                    "computed from it (a bug in zero3_compile, please report it)"
+                )
+            return node
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._arg(v) for v in value)
+        return value
+
+    def _add(self, target, args, kwargs, val, name) -> fx.Node:
+        node = self.graph.create_node(
+            "call_function", target, args, kwargs, name=self.graph._target_to_str(name)
+        )
+        node.meta["val"] = val
+        self.created.append(node)
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        parts = out if isinstance(out, (list, tuple)) else [out]
+        if not any(isinstance(p, torch.Tensor) for p in parts):
+            return out  # a device, a dtype, a size: a constant of the graph (as make_fx does)
+        node = self._add(
+            func,
+            tuple(self._arg(a) for a in args),
+            {k: self._arg(v) for k, v in kwargs.items()},
+            out,
+            func.overloadpacket.__name__,
+        )
+        self.keep.append(out)
+        if isinstance(out, (list, tuple)):
+            for index, part in enumerate(out):
+                if isinstance(part, torch.Tensor):
+                    self.nodes[id(part)] = self._add(
+                        operator.getitem, (node, index), {}, part, "getitem"
+                    )
+        else:
+            self.nodes[id(out)] = node
+        return out
+
+    def result(self, out):
+        if isinstance(out, (list, tuple)):
+            return [self.result(o) for o in out]
+        if isinstance(out, torch.Tensor):
+            return self._arg(out)
+        return out
+
+
+def _splice_make_fx(graph, fn, inputs, fakes, fake_mode) -> tuple[object, list[fx.Node]]:
     with fake_mode:
         traced = make_fx(fn)(*fakes)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]

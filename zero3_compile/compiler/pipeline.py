@@ -78,7 +78,6 @@ def run_pipeline(
         before = _op_counts(gm.graph)
         start = time.perf_counter()
         graph_pass(gm, ctx)
-        gm.recompile()
         elapsed = time.perf_counter() - start
         if ctx.options.verify and ctx.graph_kind in _SCHEDULED:
             verify(gm, ctx)
@@ -95,6 +94,7 @@ def run_pipeline(
         dump.write(f"{step:02d}_{graph_pass.__name__}", gm)
     if ctx.options.verify and ctx.graph_kind in _SCHEDULED:
         verify(gm, ctx, lowered=True, guarded=insert_guard in passes)
+    gm.recompile()  # once: no pass reads the generated code, and the dumps print the graph
 
 
 def _op_counts(graph: fx.Graph) -> Counter:

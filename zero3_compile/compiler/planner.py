@@ -63,7 +63,7 @@ class KeptParam:
 class BudgetPlan:
     budget: int
     persistent: int  # parameter + gradient shards + optimizer state (estimated)
-    minimum: int  # the least of pure ZeRO-3's estimate and everything kept's
+    minimum: int  # the least estimate seen: pure ZeRO-3's, everything kept's, the plan's
     estimated: int  # persistent + the planned schedule's step peak
     kept: list[KeptParam] = field(default_factory=list)  # in the order they were chosen
     candidates: int = 0
@@ -151,6 +151,9 @@ def plan_budget(joint: fx.GraphModule, joint_inputs, kwargs, ctx: PassContext) -
             over, over_estimate = middle, value
     chosen = candidates[:fits]
     plan.estimated = fits_estimate
+    # keeping a few can lower the peak below both ends (with one gloo collective in flight,
+    # the re-gathers they save carried temporaries at backward's peak): the least one seen
+    plan.minimum = min(plan.minimum, fits_estimate)
     plan.next_estimate = over_estimate
     plan.kept = [
         KeptParam(UnshardCall.of(m).spec.fqn, _nbytes(m), last_forward_use(m)) for m in chosen
