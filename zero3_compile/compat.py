@@ -144,6 +144,15 @@ def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def backend_of(group_name: str) -> str:
+    """The backend of the process group a graph names ("gloo", "nccl", "fake"...), "" when the
+    name resolves to no group of this process (a graph read offline)."""
+    try:
+        return group_backend(resolve_group(group_name))
+    except (KeyError, RuntimeError, ValueError):
+        return ""
+
+
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     """This rank's index in ``group_name`` where its reduce-scatters are to be issued as
     all-reduces (the caller keeps its own rows), else None: only with
@@ -163,15 +172,9 @@ def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
             f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 0 (issue gloo's reduce-scatters as "
             "all-reduces), 1 or leave it unset (gloo's own reduce-scatter)"
         )
-    if choice != "0":
+    if choice != "0" or backend_of(group_name) != "gloo":
         return None
-    try:
-        group = resolve_group(group_name)
-    except (KeyError, RuntimeError, ValueError):
-        return None
-    if group_backend(group) != "gloo":
-        return None
-    return group.rank()
+    return resolve_group(group_name).rank()
 
 
 def dynamo_compile_count() -> tuple[int, int, int] | None:

@@ -33,16 +33,15 @@ import torch.nn as nn
 from ..compat import (
     aot_autograd_backend,
     autograd_cache_disabled,
+    backend_of,
     boxed_codegen,
     dynamo_compile_count,
-    group_backend,
     inductor_compile_fx,
     inductor_config_patches,
     min_cut_partition,
     order_saved_values,
     partitioner_base,
     register_dynamo_backend,
-    resolve_group,
 )
 from ..runtime.gate import GatedCall
 from ..runtime.guard import DEFAULT_TIMEOUT_S
@@ -234,19 +233,12 @@ class Zero3Partitioner(partitioner_base()):
             f"-budget{options.memory_budget_bytes}" if options.memory_budget_mb == "auto" else ""
         )
         # the groups' backends decide schemes and serialization (``serialize_collectives``)
-        groups = ",".join(f"{name}:{_backend_of(name)}" for name in self.ctx.group_names)
+        groups = ",".join(f"{name}:{backend_of(name)}" for name in self.ctx.group_names)
         reduction = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
         return (
             f"{_source_hash()}-{options!r}{budget}-rank{dist.get_rank()}-groups{groups}"
             f"-rs{reduction}"
         )
-
-
-def _backend_of(group_name: str) -> str:
-    try:
-        return group_backend(resolve_group(group_name))
-    except (KeyError, RuntimeError, ValueError):
-        return "?"
 
 
 @functools.cache

@@ -116,12 +116,9 @@ class _Recorder(TorchDispatchMode):
         self.keep: list[object] = list(fakes)  # ids stay valid while the trace runs
         self.created: list[fx.Node] = []
 
-    def node_of(self, value) -> fx.Node | None:
-        return self.nodes.get(id(value))
-
     def _arg(self, value):
         if isinstance(value, torch.Tensor):
-            node = self.node_of(value)
+            node = self.nodes.get(id(value))
             if node is None:
                 raise RuntimeError(
                     "zero3: a spliced function read a tensor that is neither its input nor "

@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
-from ..compat import group_backend, min_cut_partition, order_saved_values, resolve_group
+from ..compat import backend_of, min_cut_partition, order_saved_values
 from .context import PassContext
 from .graph_facts import shard_inputs
 from .graph_utils import copy_graph_module
@@ -217,8 +217,5 @@ def _uses_gloo(gm: fx.GraphModule) -> bool:
 
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES:
-            try:
-                return group_backend(resolve_group(str(node.args[-1]))) == "gloo"
-            except Exception:  # noqa: BLE001
-                return False
+            return backend_of(str(node.args[-1])) == "gloo"
     return False

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from ...compat import WAIT, group_backend, resolve_group
+from ...compat import WAIT, backend_of
 from ..context import PassContext
 from ..graph_utils import move_before
 
@@ -96,12 +98,7 @@ def group_of(node: fx.Node) -> str:
 
 
 def serialized(group_name: str, mode: bool | str) -> bool:
-    if mode is True:
-        return True
-    try:
-        return group_backend(resolve_group(group_name)) == "gloo"
-    except (KeyError, RuntimeError, ValueError):
-        return False
+    return mode is True or backend_of(group_name) == "gloo"
 
 
 def waits_of(collective: fx.Node) -> list[fx.Node]:
@@ -110,7 +107,7 @@ def waits_of(collective: fx.Node) -> list[fx.Node]:
     for user in collective.users:
         if user.target is WAIT:
             waits.append(user)
-        elif user.op == "call_function" and user.target.__name__ == "getitem":
+        elif user.target is operator.getitem:
             waits.extend(u for u in user.users if u.target is WAIT)
     return waits
 
