@@ -73,6 +73,10 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=sorted(SHAPES), default="llama-1b")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--offload", choices=["disk", "none"], default="disk")
+    parser.add_argument(
+        "--grads", choices=["disk", "memory"], default="disk",
+        help="with --offload disk: gradient shards on disk too (Offload(grads='disk'))",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256, help="tokens per rank and step")
     parser.add_argument("--contenders", default="zero3")
@@ -253,6 +257,12 @@ def _digest(model) -> str:
     return sha.hexdigest()
 
 
+def _offload(z3, cfg: dict, scratch: str):
+    if cfg["offload"] != "disk":
+        return None
+    return z3.Offload(params="disk", grads="disk" if cfg["grads"] == "disk" else None, path=scratch)
+
+
 def run_zero3(rank, world, cfg: dict):
     import transformers
 
@@ -263,7 +273,7 @@ def run_zero3(rank, world, cfg: dict):
     dist.init_process_group("gloo")
     phases = Phases()
     scratch = os.path.join(cfg["scratch"], f"run-{cfg['tag']}")
-    offload = z3.Offload(params="disk", path=scratch) if cfg["offload"] == "disk" else None
+    offload = _offload(z3, cfg, scratch)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
     with phases.phase("load"):
         model = z3hf.from_pretrained(
@@ -309,7 +319,7 @@ def run_resume(rank, world, cfg: dict):
     dist.init_process_group("gloo")
     phases = Phases()
     scratch = os.path.join(cfg["scratch"], "run-resume")
-    offload = z3.Offload(params="disk", path=scratch) if cfg["offload"] == "disk" else None
+    offload = _offload(z3, cfg, scratch)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
     model = z3hf.from_pretrained(
         transformers.AutoModelForCausalLM, cfg["checkpoint_model"], dtype=torch.float32,
@@ -425,7 +435,7 @@ def report(args, shape, disk, runs, compute) -> str:
     lines = [
         f"# big_model: {args.model}, {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
-        f"step, offload {args.offload}, codegen {args.codegen}, bf16 {args.bf16}; torch "
+        f"step, offload {args.offload} (gradients {args.grads}), codegen {args.codegen}, bf16 {args.bf16}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -502,7 +512,7 @@ def main(argv=None) -> None:
     logs = os.path.join(args.out, "logs")
     checkpoint = write_checkpoint(os.path.join(args.cache, args.model), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
-    base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload,
+    base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
     compute = None

@@ -57,6 +57,14 @@ def _stores(model, opt) -> list:
     offloaded = getattr(opt, "_zero3_offload", None)
     if offloaded is not None:
         stores[id(offloaded.store)] = offloaded.store
+    spool = None
+    for p in model.parameters():
+        state = state_of(p)
+        if state is not None and state.root.grad_spool is not None:
+            spool = state.root.grad_spool
+            break
+    if spool is not None:
+        stores[id(spool.store)] = spool.store
     return list(stores.values())
 
 

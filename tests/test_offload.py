@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero3_compile as z3
+from zero3_compile.compiler.memory import memory_timeline
+from zero3_compile.offload import grads as grads_module
 from zero3_compile.offload import store as store_module
+from zero3_compile.offload.grads import spooled
 
 from .dist_utils import run_ranks, run_scenarios
 from .models import GPT, gpt_batch, gpt_loss
@@ -41,7 +44,10 @@ def _full_optimizer_state(opt) -> list[torch.Tensor]:
     ]
 
 
-def _train(rank, world, model, opt, codegen, steps, accumulate, seed0=0):
+def _train(rank, world, model, opt, codegen, steps, accumulate, seed0=0, clip=False, seen=None):
+    """``accumulate``: False, True (two micro-batches, synchronised on the last) or "plain" (two
+    micro-batches, each reduced, accumulated in ``.grad``). ``seen``: a list that receives
+    whether every gradient was spooled before each step."""
     step = (
         model
         if codegen is None
@@ -53,29 +59,46 @@ def _train(rank, world, model, opt, codegen, steps, accumulate, seed0=0):
         for k in range(micro):
             idx, targets = gpt_batch(2 * world, seed=100 * (seed0 + i) + k)
             mine = slice(2 * rank, 2 * rank + 2)
-            if accumulate:
+            if accumulate is True:
                 z3.set_requires_gradient_sync(model, k == micro - 1)
             loss = gpt_loss(step, (idx[mine], targets[mine]))
             loss.backward()
+        if seen is not None:
+            seen.append(all(spooled(p) is not None for p in model.parameters()))
+        if clip:  # small enough to clip every step
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=i % 2 == 0)
         losses.append(loss.item())
     return losses
 
 
-def identical(rank, world, codegen, params_tier, opt_tier, optimizer, accumulate=False):
+def identical(
+    rank, world, codegen, params_tier, opt_tier, optimizer, accumulate=False, grads_tier=None,
+    clip=False,
+):  # fmt: skip
     torch.manual_seed(0)
     model = GPT()
     twin = copy.deepcopy(model)
-    offload = z3.Offload(params=params_tier) if params_tier else None
+    offload = (
+        z3.Offload(params=params_tier, grads=grads_tier) if params_tier or grads_tier else None
+    )
     z3.shard(model, offload=offload, sync_timeout_s=120)
     z3.shard(twin, sync_timeout_s=120)
     opt = _optimizer(optimizer, model.parameters())
     if opt_tier:
         opt = z3.offload_optimizer(opt, tier=opt_tier, tile_mb=0.05)
     twin_opt = _optimizer(optimizer, twin.parameters())
-    losses = _train(rank, world, model, opt, codegen, 3, accumulate)
-    twin_losses = _train(rank, world, twin, twin_opt, codegen, 3, accumulate)
+    seen: list[bool] = []
+    by_hook = grads_module.spooled_by_hook
+    with z3.record_graphs() as graphs:
+        losses = _train(rank, world, model, opt, codegen, 3, accumulate, clip=clip, seen=seen)
+    by_hook = grads_module.spooled_by_hook - by_hook
+    with z3.record_graphs() as twin_graphs:
+        twin_losses = _train(rank, world, twin, twin_opt, codegen, 3, accumulate, clip=clip)
+    # what the backward graphs' estimate says they leave alive at their end (their gradients)
+    left = [memory_timeline(g.gm).end_bytes for g in graphs if g.kind == "backward"]
+    twin_left = [memory_timeline(g.gm).end_bytes for g in twin_graphs if g.kind == "backward"]
     params, twin_params = z3.full_state_dict(model), z3.full_state_dict(twin)
     state, twin_state = _full_optimizer_state(opt), _full_optimizer_state(twin_opt)
     evicted = [
@@ -97,6 +120,9 @@ def identical(rank, world, codegen, params_tier, opt_tier, optimizer, accumulate
         "not_evicted": evicted,
         "resident_state": resident_state if opt_tier else 0,
         "trained": losses[-1] != losses[0],
+        "grads_spooled": all(seen),
+        "spooled_by_hook": by_hook,
+        "backward_end_bytes": (left, twin_left),
     }
 
 
@@ -225,6 +251,10 @@ CASES = [
     ("identical", "inductor", "disk", "disk", "sgd"),
     ("identical", None, "disk", "disk", "adamw"),
     ("identical", "eager", "disk", "disk", "sgd", True),
+    # gradients spooled too: clipped, accumulated both ways, a plain optimizer over them
+    ("identical", "eager", "disk", "disk", "adamw", False, "disk", True),
+    ("identical", "inductor", None, "disk", "sgd", "plain", "disk", True),
+    ("identical", None, None, None, "adamw", True, "disk"),
     ("failed_step",),
     ("poison", False),
     ("poison", True),
@@ -254,6 +284,14 @@ def test_offloaded_training_is_bit_identical(results, case):
         assert r["trained"]
         assert r["not_evicted"] == []  # every offloaded shard holds no memory between steps
         assert r["resident_state"] == 0  # nor does the offloaded optimizer state
+        if len(case) > 6:  # Offload(grads=...): every gradient in the spool before each step,
+            assert r["grads_spooled"], r
+            # written by the backward itself (the compiled graph's or the eager reduction's),
+            # not left in memory for the parameter's hook
+            assert r["spooled_by_hook"] == 0, r
+            left, twin_left = r["backward_end_bytes"]
+            if case[1] is not None:  # the memory estimate counts no gradient held at the end
+                assert left and all(b == 0 for b in left) and all(b > 0 for b in twin_left), r
 
 
 def test_checkpoint_of_an_offloaded_run_resumes_identically(results):
@@ -327,7 +365,8 @@ def _memory(rank, world, offloaded):
     baseline = _rss_anon()  # what the process holds before the model (imports, process group)
     torch.manual_seed(0)
     model = Wide()
-    offload = z3.Offload(params="disk") if offloaded else None
+    grads = "disk" if offloaded == "grads" else None
+    offload = z3.Offload(params="disk", grads=grads) if offloaded else None
     z3.shard(model, offload=offload, sync_timeout_s=120)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if offloaded:
@@ -336,11 +375,15 @@ def _memory(rank, world, offloaded):
     for _ in range(2):
         step(torch.randn(8, 2048)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)  # keep the gradient shards: they are not offloaded
+        # keep the gradient shards: resident unless offloaded (spooled zeros hold nothing)
+        opt.zero_grad(set_to_none=False)
     shard = sum(p.to_local().numel() * 4 for p in model.parameters())
     estimate = z3.estimate_memory(Wide(), world, optimizer="adamw")
     resident = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
-    resident += sum(p.grad.to_local().untyped_storage().nbytes() for p in model.parameters())
+    resident += sum(
+        0 if spooled(p) is not None else p.grad.to_local().untyped_storage().nbytes()
+        for p in model.parameters()
+    )
     resident += sum(
         v.to_local().untyped_storage().nbytes()
         for s in opt.state.values()
@@ -353,7 +396,8 @@ def _memory(rank, world, offloaded):
     libc.malloc_trim(0)
     return {
         "rss_anon": _rss_anon() - baseline,
-        "offloaded_bytes": 3 * shard if offloaded else 0,  # parameters + exp_avg + exp_avg_sq
+        # parameters + exp_avg + exp_avg_sq (+ gradients)
+        "offloaded_bytes": (4 if grads else 3) * shard if offloaded else 0,
         "resident": resident,
         "estimate": {row.setting: row.resident for row in estimate.rows},
     }
@@ -361,11 +405,13 @@ def _memory(rank, world, offloaded):
 
 @functools.cache
 def memory_runs():
-    return run_ranks(_memory, 2, False, timeout=600), run_ranks(_memory, 2, True, timeout=600)
+    return tuple(run_ranks(_memory, 2, how, timeout=600) for how in (False, True, "grads"))
 
 
-def test_offload_frees_at_least_80_percent_of_the_offloaded_bytes_of_resident_memory():
-    plain, offloaded = memory_runs()
+@pytest.mark.parametrize("how", ["params + optimizer", "params + grads + optimizer"])
+def test_offload_frees_at_least_80_percent_of_the_offloaded_bytes_of_resident_memory(how):
+    plain, *offloaded_runs = memory_runs()
+    offloaded = offloaded_runs[0 if how == "params + optimizer" else 1]
     for rank in range(2):
         saved = plain[rank]["rss_anon"] - offloaded[rank]["rss_anon"]
         wanted = offloaded[rank]["offloaded_bytes"]
@@ -374,8 +420,12 @@ def test_offload_frees_at_least_80_percent_of_the_offloaded_bytes_of_resident_me
 
 
 def test_memory_estimate_within_5_percent_of_what_the_run_holds():
-    plain, offloaded = memory_runs()
-    for run, setting in ((plain, "ZeRO-3"), (offloaded, "ZeRO-3, params + optimizer offloaded")):
+    plain, offloaded, spooled_too = memory_runs()
+    for run, setting in (
+        (plain, "ZeRO-3"),
+        (offloaded, "ZeRO-3, params + optimizer offloaded"),
+        (spooled_too, "ZeRO-3, params + grads + optimizer offloaded"),
+    ):
         for r in run:
             estimated = r["estimate"][setting]
             assert abs(estimated - r["resident"]) <= 0.05 * max(r["resident"], 1), (setting, r)

@@ -14,7 +14,8 @@ passes replace them by bucketed collectives. Their fake implementations give the
 shape.
 
 ``zero3::guard`` is the cross-rank check a scheduled graph runs before its first collective;
-``zero3::reload`` reads an offloaded shard back; ``UnshardMany`` gathers a leaf module's
+``zero3::reload`` reads an offloaded shard back; ``zero3::spool_grad`` writes a reduced gradient
+shard to its model's gradient spool (``Offload(grads=...)``); ``UnshardMany`` gathers a leaf module's
 parameters together, eagerly (``set_leaf_modules``).
 """
 
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compat import mark_side_effect, register_wait
+from ..offload import grads as grad_spool
 from ..offload.params import readable, reload_async
 from ..runtime import guard
 from ..runtime.root import active_runtime, check_eager
@@ -98,6 +100,10 @@ def _not_aliasing(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 def _setup_context(ctx, inputs, output):
     shard, param_id, spec, grad_sink = inputs
     ctx.param_id, ctx.spec = param_id, spec
+    # the shard names the parameter whose gradient spool receives the reduced gradient
+    ctx.spools = ShardSpec.parse(spec).grads_offloaded
+    if ctx.spools:
+        ctx.save_for_backward(shard)
     ctx.shard_shape = list(shard.shape)
     ctx.shard_dtype = shard.dtype
     ctx.sink_dtype = None if grad_sink is None else grad_sink.dtype
@@ -113,6 +119,8 @@ def _backward(ctx, grad):
     else:
         with ctx.runtime.active():
             shard_grad = REDUCE_GRAD(grad, ctx.param_id, ctx.spec, ctx.shard_shape, ctx.shard_dtype)
+    if ctx.spools:
+        shard_grad = SPOOL_GRAD(shard_grad, ctx.saved_tensors[0])
     return shard_grad, None, None, None
 
 
@@ -179,6 +187,21 @@ def _reload_fake(shard: torch.Tensor) -> torch.Tensor:
 
 
 RELOAD = torch.ops.zero3.reload.default
+
+
+@torch.library.custom_op("zero3::spool_grad", mutates_args=())
+def spool_grad(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """Write a reduced gradient shard to the gradient spool of the parameter whose shard is
+    ``shard``; returns the ``SpooledGrad`` that stands for it (no memory held once written)."""
+    return grad_spool.spool_grad(grad, shard)
+
+
+@spool_grad.register_fake
+def _spool_grad_fake(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+SPOOL_GRAD = torch.ops.zero3.spool_grad.default
 
 
 # ------------------------------------------------------------------------------- leaf modules

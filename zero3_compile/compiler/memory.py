@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..collectives.ops import SPOOL_GRAD
 from ..compat import ALL_GATHER, COLLECTIVES, WAIT, storage_key
 
 
@@ -72,6 +73,8 @@ def memory_timeline(
             if key not in first:
                 first[key] = position[node]
                 size[key] = storage.nbytes() if isinstance(storage.nbytes(), int) else 0
+                if node.target is SPOOL_GRAD:  # a spooled gradient holds no memory once written
+                    size[key] = 0
                 if node.op == "placeholder":
                     is_input.add(key)
             readers = [_held_until(u, position) for u in node.users if u.op != "output"]

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
+from ..offload.grads import spool
 from ..runtime.optimizers import watch_optimizers
 from ..sharding.spec import ShardSpec
 from ..sharding.state import ShardedParam, ShardState, module_state
@@ -108,6 +109,8 @@ def _add_reduced(state: ShardedParam, pending: torch.Tensor) -> None:
         reduced = REDUCE_GRAD(
             pending, state.param_id, state.spec.literal(), list(local.shape), local.dtype
         )
+    if state.spec.grads_offloaded:
+        reduced = spool(state, reduced)
     param = state.param
     if param.grad is None:
         param.grad = DTensor.from_local(

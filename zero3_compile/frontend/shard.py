@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..compat import group_backend
+from ..offload.grads import spool_gradients
 from ..offload.params import Offload, offload_model, open_store
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import watch_optimizers
@@ -64,8 +65,8 @@ def shard(
     leaf_modules: classes or modules whose parameters are gathered together when they are called
         (see ``set_leaf_modules``); modules with a child named ``experts`` always are.
     sync_timeout_s: how long a rank waits for the others at a cross-rank check before raising.
-    offload: ``Offload(params="disk" | "cpu", path=...)``: where parameter shards live between
-        uses (see ``zero3_compile.offload``).
+    offload: ``Offload(params="disk" | "cpu", grads="disk" | "cpu", path=...)``: where parameter
+        and gradient shards live between uses (see ``zero3_compile.offload``).
     """
     _check_can_shard(module)
     policy = _policy(param_dtype, reduce_dtype, mp_policy)
@@ -77,9 +78,10 @@ def shard(
     device = _shard_device(first_device, requested, group or dist.group.WORLD)
     dp = DataParallelMesh.resolve(group, mesh, device.type)
     root = Zero3Runtime(dp, policy, device, sync_timeout_s)
-    if offload is not None and offload.params is not None:
+    if offload is not None:
         offload.validate(device)
-        root.offload = offload
+        root.offload = offload if offload.params is not None else None
+    spools_grads = offload is not None and offload.grads is not None
 
     canonical = {}  # id(original parameter) -> first name
     for name, param in named:
@@ -103,9 +105,18 @@ def shard(
             root.offload_store = open_store(root, root.offload, device)
         else:
             offload_model(root, list(states.values()), root.offload, device)
-        for state in states.values():
-            state.spec = dp.spec(state.fqn, state.full_shape, policy, offloaded=True)
         watch_optimizers()
+    if spools_grads:
+        spool_gradients(root, list(states.values()), offload, device)
+    if root.offload is not None or spools_grads:
+        for state in states.values():
+            state.spec = dp.spec(
+                state.fqn,
+                state.full_shape,
+                policy,
+                offloaded=root.offload is not None,
+                grads_offloaded=spools_grads,
+            )
     for prefix, sub, own in owned:
         make_sharded(sub, ModuleState(params=own, root=root, prefix=prefix))
     install_hooks(module, root)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.state import state_of
+from .grads import spooled, with_local
 from .params import _evict as evict_shard
 from .params import _fill as fill_shard
 from .store import DiskStore, HostStore, Region
@@ -117,6 +118,7 @@ class _OptimizerOffload:
         self.evicted: set[tuple[int, str]] = set()
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero3-opt")
         self.tiles_resident_max = 0
+        self.grads_read: dict[int, torch.Tensor] = {}  # id(param) -> its spooled gradient, read
 
     # ------------------------------------------------------------------ tensors of a param
 
@@ -138,6 +140,9 @@ class _OptimizerOffload:
         shard = state_of(param)
         if shard is not None and shard.offload is not None and shard.offload.evicted:
             fill_shard(shard)
+        grad = spooled(param)
+        if grad is not None:  # an offloaded gradient (Offload(grads=...)) is read with its tile
+            self.grads_read[id(param)] = grad.materialize()
 
     def _write(self, param) -> None:
         """Write the param's (changed) state, and its offloaded shard, to the free slots."""
@@ -207,6 +212,7 @@ class _OptimizerOffload:
         local = _local(param)
         per_element = local.element_size()
         kinds = max(len(self._offloadable(param)), 2)  # before the first step: Adam-sized
+        kinds += spooled(param) is not None
         return local.numel() * per_element * (kinds + 1)
 
     def _tiles(self, params) -> list[list]:
@@ -272,6 +278,7 @@ class _OptimizerOffload:
                 except BaseException:  # noqa: BLE001 - the first error is the one raised
                     pass
             self._abandon(params)
+            self.grads_read.clear()
             for param in fresh:  # back to "no state yet", as before the step
                 optimizer.state.pop(param, None)
                 for key in [k for k in self.regions if k[0] == id(param)]:
@@ -291,6 +298,13 @@ class _OptimizerOffload:
         optimizer = self.optimizer
         members = {id(p) for p in tile}
         saved = [group["params"] for group in optimizer.param_groups]
+        # spooled gradients step as the values read with the tile; they stay spooled after it
+        spooled_grads = {}
+        for param in tile:
+            value = self.grads_read.pop(id(param), None)
+            if value is not None:
+                spooled_grads[param] = param.grad
+                param.grad = with_local(param, value)
         try:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in members]
@@ -298,6 +312,8 @@ class _OptimizerOffload:
         finally:
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = params
+            for param, grad in spooled_grads.items():
+                param.grad = grad
 
     # ------------------------------------------------------------------ state dicts
 

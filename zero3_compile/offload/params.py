@@ -37,11 +37,13 @@ TIERS = ("cpu", "disk")
 
 @dataclass(frozen=True)
 class Offload:
-    """Where parameter shards live between uses.
+    """Where parameter shards and gradient shards live between uses.
 
     params: "disk" (a file per rank under ``path``: for CPU and accelerator models), "cpu"
         (pinned host memory: for accelerator models; a CPU model is in host memory already, use
         "disk"), or None (no offload).
+    grads: the same tiers for gradient shards, from the backward that reduces them to the
+        optimizer that reads them (``offload/grads.py``; pair it with ``offload_optimizer``).
     path: folder of the disk tier (default: a private temporary folder removed at exit).
     o_direct: open the file with O_DIRECT (through aligned staging buffers), falling back to
         buffered I/O where the file system refuses it.
@@ -51,22 +53,23 @@ class Offload:
     """
 
     params: str | None = None
+    grads: str | None = None
     path: str | None = None
     o_direct: bool = False
     threads: int = 4
     poison: bool = False
 
     def validate(self, device: torch.device) -> None:
-        if self.params not in (None, *TIERS):
-            raise ValueError(
-                f"zero3: Offload(params={self.params!r}) must be 'cpu', 'disk' or None"
-            )
-        if self.params == "cpu" and device.type == "cpu":
-            raise ValueError(
-                "zero3: Offload(params='cpu') keeps shards in host memory for accelerator models; "
-                "this model already lives in host memory. Use Offload(params='disk') to move "
-                "idle shards out of memory."
-            )
+        for what in ("params", "grads"):
+            tier = getattr(self, what)
+            if tier not in (None, *TIERS):
+                raise ValueError(f"zero3: Offload({what}={tier!r}) must be 'cpu', 'disk' or None")
+            if tier == "cpu" and device.type == "cpu":
+                raise ValueError(
+                    f"zero3: Offload({what}='cpu') keeps shards in host memory for accelerator "
+                    f"models; this model already lives in host memory. Use Offload({what}="
+                    "'disk') to move idle shards out of memory."
+                )
         if not (isinstance(self.threads, int) and self.threads >= 1):
             raise ValueError(
                 f"zero3: Offload(threads=...) must be an int >= 1, got {self.threads!r}"
@@ -305,8 +308,12 @@ def offload_model(root, states: list, offload: Offload, device: torch.device) ->
 
 def register_loaded(state) -> None:
     """A shard that just received its values (``materialize``, a loader): into the model's
-    offload store, if it has one, and out of memory."""
+    offload store, if it has one, and out of memory; its gradients into the model's spool."""
     root = state.root
+    if getattr(root, "grad_spool", None) is not None:
+        from .grads import register as spool_its_grads
+
+        spool_its_grads(state)
     store = getattr(root, "offload_store", None)
     if store is None or state.offload is not None:
         return

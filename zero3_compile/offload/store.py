@@ -144,22 +144,24 @@ class DiskStore:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate(self, nbytes: int) -> Region:
-        """Two preallocated slots of ``nbytes``; raises ``OffloadError`` naming the bytes needed."""
+    def allocate(self, nbytes: int, slots: int = 2) -> Region:
+        """Preallocated slots of ``nbytes`` (two: a new version is written beside the current
+        one; one: values that are never replaced in place); raises ``OffloadError`` naming the
+        bytes needed."""
         slot = _aligned(max(nbytes, 1))
         with self.lock:
             first = self.size
-            self.size += 2 * slot
+            self.size += slots * slot
             try:
-                os.posix_fallocate(self.fd, first, 2 * slot)
+                os.posix_fallocate(self.fd, first, slots * slot)
             except OSError as error:
                 self.size = first
                 raise OffloadError(
                     error.errno,
-                    f"zero3: cannot reserve {2 * slot} bytes in {self.path!r} "
+                    f"zero3: cannot reserve {slots * slot} bytes in {self.path!r} "
                     f"({error.strerror}); {_free_space(self.folder)}",
                 ) from error
-        return Region((first, first + slot), nbytes)
+        return Region((first, first + slot * (slots - 1)), nbytes)
 
     # ------------------------------------------------------------------ I/O
 
@@ -304,10 +306,10 @@ class HostStore:
     def count_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
 
-    def allocate(self, nbytes: int) -> Region:
-        region = Region((0, 0), nbytes)
+    def allocate(self, nbytes: int, slots: int = 2) -> Region:
+        region = Region((0, slots - 1), nbytes)
         region.buffers = [  # type: ignore[attr-defined]
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)
         ]
         return region
 

@@ -44,6 +44,7 @@ class Zero3Runtime:
         self.device = device
         self.offload = offload  # offload.params.Offload, when parameter shards are offloaded
         self.offload_store = None  # its store (offload/store.py), opened by shard()
+        self.grad_spool = None  # offload.grads.GradSpool, when gradient shards are offloaded
         self.leaves: list[weakref.ref] = []  # leaf modules (set_leaf_modules)
         self.pending_loads: list = []  # offloaded shards loaded by a running load_state_dict
         self.timeout_s = float(timeout_s)

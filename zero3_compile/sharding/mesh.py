@@ -93,7 +93,9 @@ class DataParallelMesh:
         """Every global rank of the mesh, sorted: whose collectives depend on each other."""
         return sorted(int(r) for r in self.mesh.mesh.flatten().tolist())
 
-    def spec(self, fqn: str, shape, policy=None, offloaded: bool = False) -> ShardSpec:
+    def spec(
+        self, fqn: str, shape, policy=None, offloaded: bool = False, grads_offloaded: bool = False
+    ) -> ShardSpec:
         shard_name, replicate_name = self.group_names
         return ShardSpec(
             fqn=fqn,
@@ -105,6 +107,7 @@ class DataParallelMesh:
             param_dtype=getattr(policy, "param_dtype", None),
             reduce_dtype=getattr(policy, "reduce_dtype", None),
             offloaded=offloaded,
+            grads_offloaded=grads_offloaded,
         )
 
     def wrap(self, local: torch.Tensor, spec: ShardSpec) -> DTensor:

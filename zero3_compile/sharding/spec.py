@@ -62,6 +62,8 @@ class ShardSpec:
         gradient is also averaged ("" and 1 otherwise).
     param_dtype, reduce_dtype: mixed precision (None: the shard's / the gradient's dtype).
     offloaded: the shard lives in an offload store between uses (``offload/``).
+    grads_offloaded: its reduced gradient goes to the model's gradient spool
+        (``offload/grads.py``).
     """
 
     fqn: str
@@ -73,6 +75,7 @@ class ShardSpec:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     offloaded: bool = False
+    grads_offloaded: bool = False
 
     # ------------------------------------------------------------------ geometry
 

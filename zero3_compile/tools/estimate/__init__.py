@@ -114,6 +114,13 @@ def estimate_memory(
         MemoryRow(
             "ZeRO-3, params + optimizer offloaded", 0, shard_trainable, 0, shard + optim_shard
         ),
+        MemoryRow(
+            "ZeRO-3, params + grads + optimizer offloaded",
+            0,
+            0,
+            0,
+            shard + shard_trainable + optim_shard,
+        ),
     ]
     if tile:
         report.rows.append(
