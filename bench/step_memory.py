@@ -4,7 +4,7 @@ backward and ``opt.step()`` of each step, on 2 ranks, a Hugging Face checkpoint 
     python bench/step_memory.py CHECKPOINT OFFLOAD MIXED TRIM
     python bench/step_memory.py bench/out/big/checkpoints/llama-1.3b 1 0 1
 
-OFFLOAD 1: parameters and AdamW state on disk; MIXED 1: bf16 compute; TRIM 1: free and trim the
+OFFLOAD 1: parameters and AdamW state on disk, 2: gradient shards too; MIXED 1: bf16 compute; TRIM 1: free and trim the
 allocator between phases (what remains is what the phase holds). Checkpoints: bench/big_model.py.
 """
 
@@ -38,12 +38,14 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
 
     import zero3_compile as z3
     from zero3_compile import hf as z3hf
+    from zero3_compile.offload.grads import spooled
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     scratch = tempfile.mkdtemp(prefix=f"zero3-step-memory-{rank}-")
     os.makedirs(scratch, exist_ok=True)
-    off = z3.Offload(params="disk", path=scratch) if offload else None
+    grads = "disk" if offload == 2 else None
+    off = z3.Offload(params="disk", grads=grads, path=scratch) if offload else None
     pol = z3.MixedPrecision(torch.bfloat16, torch.float32) if mp else None
     model = z3hf.from_pretrained(
         transformers.AutoModelForCausalLM, ckpt, dtype=torch.float32, offload=off, mp_policy=pol
@@ -73,7 +75,11 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
         rec["bwd_peak"] = kib("VmHWM")
         rec["after_bwd"] = kib("VmRSS")
         gsz = (
-            sum(p.grad.to_local().numel() * 4 for p in model.parameters() if p.grad is not None)
+            sum(
+                p.grad.to_local().numel() * 4
+                for p in model.parameters()
+                if p.grad is not None and spooled(p) is None
+            )
             / 2**30
         )
         rec["grad_shards"] = gsz
@@ -93,7 +99,7 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
 if __name__ == "__main__":
     ckpt, offload, mp, trim = (
         sys.argv[1],
-        sys.argv[2] == "1",
+        int(sys.argv[2]),
         sys.argv[3] == "1",
         sys.argv[4] == "1",
     )

@@ -122,3 +122,26 @@ def test_writes_in_flight_are_bounded(tmp_path):
     assert not blocked.is_alive()
     assert max(seen) <= 8192
     assert first.materialize().shape == second.materialize().shape == (1024,)
+
+
+def test_stored_tensors_read_on_use_and_refuse_writes(tmp_path):
+    import pytest
+
+    from zero3_compile.offload.deferred import StoredTensor, materialized
+
+    store = DiskStore(str(tmp_path), "optimizer", 0)
+    region = store.allocate(4 * 60)
+    value = torch.randn(12, 5)
+    store.write_current(region, value)
+    stored = StoredTensor(store, region, value.shape, value.dtype, value.device)
+    assert store.bytes_read == 0
+    assert torch.equal(materialized(stored), value)
+    assert torch.equal(stored * 2, value * 2)  # any operation reads it
+    assert torch.equal(stored.clone(), value)
+    assert isinstance(stored.detach(), StoredTensor)
+    with pytest.raises(RuntimeError, match="clone"):
+        stored.add_(1)
+    # the slot that was current when it was handed out, even after a new version is written
+    store.write(region, value + 1)
+    region.commit()
+    assert torch.equal(stored.materialize(), value)

@@ -1,5 +1,5 @@
 """``state_dict()`` / ``load_state_dict()`` of a model with offloaded shards: ``state_dict()``
-returns loaded copies, ``load_state_dict()`` loads the shards, copies in, and stores the new
+returns loaded copies (under ``offload.deferred.deferred_reads()``: tensors read when used), ``load_state_dict()`` loads the shards, copies in, and stores the new
 values (DCP goes through both). What a running load holds is the model runtime's own."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..offload.deferred import StoredTensor, reads_deferred
 from ..offload.params import load_shards, loaded, store_shards
 from ..sharding.state import module_state
 
@@ -26,8 +27,15 @@ def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
         key = prefix + attr
         if param_state.offload is None or key not in state_dict:
             continue
-        with loaded([param_state], write_back=False):
-            local = param_state.local().clone()
+        record = param_state.offload
+        if reads_deferred() and record.evicted:  # a checkpoint save reads it when it writes it
+            shard = param_state.local()
+            local = StoredTensor(
+                record.store, record.region, shard.shape, shard.dtype, shard.device
+            )
+        else:
+            with loaded([param_state], write_back=False):
+                local = param_state.local().clone()
         param = param_state.param
         state_dict[key] = DTensor.from_local(
             local,

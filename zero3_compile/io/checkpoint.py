@@ -29,6 +29,7 @@ call in the store within ``ROLL_CALL_S`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..frontend.loading import loading as shard_access
+from ..offload.deferred import deferred_reads, holds_deferred, materialized
 from ..runtime.guard import roll_call
 
 _BACKUP = ".zero3-previous"
@@ -102,7 +104,7 @@ def save_checkpoint(
     """
     path = os.fspath(path)
     call = _next_call("save")
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, for_save=True)
     if extra:
         state["extra"] = dict(extra)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -114,7 +116,10 @@ def save_checkpoint(
         staging = f"{path}.tmp-{save_id}"
         if rank == 0:
             _remove_stale_staging(path, keep=staging)
-        dcp.save(state, storage_writer=FileSystemWriter(staging))
+        # torch's writer keeps every tensor of a file alive until the file is closed: offloaded
+        # values, read as they are written, go one tensor per file so one is held at a time
+        writer = FileSystemWriter(staging, single_file_per_rank=not holds_deferred(state))
+        dcp.save(state, storage_writer=writer, planner=_ReadingPlanner())
         records = _exchange(
             lambda: _seal_own_files(staging, rank, rank_state), "sealing the written files"
         )
@@ -220,10 +225,23 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 # ------------------------------------------------------------------ saving
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+class _ReadingPlanner(DefaultSavePlanner):
+    """Offloaded values are read right before they are written (the writer asks for one
+    tensor at a time), so a save never holds the offloaded state at once."""
+
+    def resolve_data(self, write_item):
+        return materialized(super().resolve_data(write_item))
+
+
+def _state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_save: bool = False
+) -> dict[str, Any]:
     # torch's state-dict helpers find parameters by walking attributes (``getattr(module,
-    # "weight")``): with the shards visible that reads the sharded parameters, not a gather each
-    with shard_access(model):
+    # "weight")``): with the shards visible that reads the sharded parameters, not a gather each.
+    # For a save, offloaded values come as tensors read on use (``offload/deferred.py``); a load
+    # fills real tensors
+    deferred = deferred_reads() if for_save else contextlib.nullcontext()
+    with shard_access(model), deferred:
         if optimizer is None:
             return {"model": get_model_state_dict(model)}
         model_state, optim_state = get_state_dict(model, optimizer)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.state import state_of
+from .deferred import StoredTensor, reads_deferred
 from .grads import spooled, with_local
 from .params import _evict as evict_shard
 from .params import _fill as fill_shard
@@ -343,7 +344,10 @@ class _OptimizerOffload:
             entry = packed["state"][index[id(param)]] = dict(entry)
             for key, local in self._offloadable(param).items():
                 handle = (id(param), key)
-                if handle in self.evicted:
+                if handle in self.evicted and reads_deferred():  # read when it is written
+                    region = self.regions[handle]
+                    copy = StoredTensor(self.store, region, local.shape, local.dtype, local.device)
+                elif handle in self.evicted:
                     copy = torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     self.store.read(self.regions[handle], copy)
                 else:
