@@ -96,6 +96,8 @@ def identical(
     by_hook = grads_module.spooled_by_hook - by_hook
     with z3.record_graphs() as twin_graphs:
         twin_losses = _train(rank, world, twin, twin_opt, codegen, 3, accumulate, clip=clip)
+    # offloaded shards read ahead: at most reload_depth (1) + 1 reads outstanding at any point
+    reads_outstanding = max((_reads_outstanding(g.gm) for g in graphs), default=0)
     # what the backward graphs' estimate says they leave alive at their end (their gradients)
     left = [memory_timeline(g.gm).end_bytes for g in graphs if g.kind == "backward"]
     twin_left = [memory_timeline(g.gm).end_bytes for g in twin_graphs if g.kind == "backward"]
@@ -123,7 +125,41 @@ def identical(
         "grads_spooled": all(seen),
         "spooled_by_hook": by_hook,
         "backward_end_bytes": (left, twin_left),
+        "reads_outstanding": reads_outstanding,
     }
+
+
+def _reads_outstanding(gm) -> int:
+    """The most gather buckets whose shard reads a graph has issued and not all waited for."""
+    from zero3_compile.collectives.ops import RELOAD
+    from zero3_compile.compiler.node_keys import BUCKET
+
+    outstanding: dict = {}  # bucket -> reads not waited yet
+    most = 0
+    for node in gm.graph.nodes:
+        if node.target is RELOAD:
+            bucket = node.meta[BUCKET]
+            outstanding[bucket] = outstanding.get(bucket, 0) + 1
+            most = max(most, len(outstanding))
+        for read in node.all_input_nodes:
+            if read.target is RELOAD:
+                bucket = read.meta[BUCKET]
+                outstanding[bucket] -= 1
+                if outstanding[bucket] == 0:
+                    del outstanding[bucket]
+    return most
+
+
+def reads_ahead(rank, world, depth):
+    """Eight layers, a bucket each, shards on disk: how many buckets' reads are outstanding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    z3.shard(model, offload=z3.Offload(params="disk"), sync_timeout_s=120)
+    options = {"codegen": "eager", "bucket_mb": 0.001, "reload_depth": depth}
+    step = torch.compile(model, backend="zero3", options=options)
+    with z3.record_graphs() as graphs:
+        step(torch.randn(4, 32)).sum().backward()
+    return {g.kind: _reads_outstanding(g.gm) for g in graphs}
 
 
 def checkpoint_roundtrip(rank, world, folder):
@@ -256,6 +292,8 @@ CASES = [
     ("identical", "inductor", None, "disk", "sgd", "plain", "disk", True),
     ("identical", None, None, None, "adamw", True, "disk"),
     ("failed_step",),
+    ("reads_ahead", 1),
+    ("reads_ahead", 3),
     ("poison", False),
     ("poison", True),
 ]
@@ -284,6 +322,8 @@ def test_offloaded_training_is_bit_identical(results, case):
         assert r["trained"]
         assert r["not_evicted"] == []  # every offloaded shard holds no memory between steps
         assert r["resident_state"] == 0  # nor does the offloaded optimizer state
+        if case[2] and case[1] is not None:  # reads of offloaded shards one bucket ahead
+            assert 1 <= r["reads_outstanding"] <= 2, r
         if len(case) > 6:  # Offload(grads=...): every gradient in the spool before each step,
             assert r["grads_spooled"], r
             # written by the backward itself (the compiled graph's or the eager reduction's),
@@ -292,6 +332,14 @@ def test_offloaded_training_is_bit_identical(results, case):
             left, twin_left = r["backward_end_bytes"]
             if case[1] is not None:  # the memory estimate counts no gradient held at the end
                 assert left and all(b == 0 for b in left) and all(b > 0 for b in twin_left), r
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_offloaded_shards_are_read_reload_depth_buckets_ahead(results, depth):
+    """Each bucket's reads start ``reload_depth`` buckets ahead of its gather, not all at the top
+    of the graph (which held every offloaded shard in memory at once)."""
+    for r in results("reads_ahead", depth):
+        assert r["forward"] == r["backward"] == depth + 1, r
 
 
 def test_checkpoint_of_an_offloaded_run_resumes_identically(results):

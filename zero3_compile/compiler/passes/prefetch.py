@@ -176,6 +176,10 @@ def _first_compute_node(graph: fx.Graph) -> fx.Node:
     raise AssertionError("zero3: graph has no output node")
 
 
+def _first_not_reload(gather: _Gather) -> fx.Node:
+    return next(n for n in gather.issue if n.meta.get(ROLE) != ROLE_RELOAD)
+
+
 def prefetch_reloads(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Issue the reads of offloaded shards ``reload_depth`` buckets ahead of their all-gather.
 
@@ -199,7 +203,9 @@ def prefetch_reloads(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not reloads or depth == 0:
             continue
         earlier = i - depth
-        anchor = ordered[earlier].issue[0] if earlier >= 0 else top
+        # the first issue of that bucket that is not itself a read moved ahead (anchoring on
+        # its reload would chain every read to the top of the graph)
+        anchor = _first_not_reload(ordered[earlier]) if earlier >= 0 else top
         if order[anchor] < order[reloads[0]]:
             move_before(reloads, anchor)
             order = node_order(graph)
