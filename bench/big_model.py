@@ -77,6 +77,10 @@ def parse_args(argv=None):
         "--grads", choices=["disk", "memory"], default="disk",
         help="with --offload disk: gradient shards on disk too (Offload(grads='disk'))",
     )  # fmt: skip
+    parser.add_argument(
+        "--single-copy", action="store_true",
+        help="one copy of the offloaded state on disk (double_buffer=False): half the disk",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256, help="tokens per rank and step")
     parser.add_argument("--contenders", default="zero3")
@@ -260,7 +264,10 @@ def _digest(model) -> str:
 def _offload(z3, cfg: dict, scratch: str):
     if cfg["offload"] != "disk":
         return None
-    return z3.Offload(params="disk", grads="disk" if cfg["grads"] == "disk" else None, path=scratch)
+    grads = "disk" if cfg["grads"] == "disk" else None
+    return z3.Offload(
+        params="disk", grads=grads, path=scratch, double_buffer=not cfg["single_copy"]
+    )
 
 
 def run_zero3(rank, world, cfg: dict):
@@ -287,7 +294,9 @@ def run_zero3(rank, world, cfg: dict):
     phases.model = model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["offload"] == "disk":
-        opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
+        opt = z3.offload_optimizer(
+            opt, tier="disk", path=scratch, double_buffer=not cfg["single_copy"]
+        )
     phases.opt = opt
     step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
     step, losses = _train_phases(phases, step_model, opt, rank, cfg)
@@ -328,7 +337,9 @@ def run_resume(rank, world, cfg: dict):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["offload"] == "disk":
-        opt = z3.offload_optimizer(opt, tier="disk", path=scratch)
+        opt = z3.offload_optimizer(
+            opt, tier="disk", path=scratch, double_buffer=not cfg["single_copy"]
+        )
     phases.model, phases.opt = model, opt
     path = os.path.join(cfg["scratch"], "checkpoint")
     with phases.phase("checkpoint load"):
@@ -435,7 +446,8 @@ def report(args, shape, disk, runs, compute) -> str:
     lines = [
         f"# big_model: {args.model}, {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
-        f"step, offload {args.offload} (gradients {args.grads}), codegen {args.codegen}, bf16 {args.bf16}; torch "
+        f"step, offload {args.offload} (gradients {args.grads}, "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk), codegen {args.codegen}, bf16 {args.bf16}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -513,6 +525,7 @@ def main(argv=None) -> None:
     checkpoint = write_checkpoint(os.path.join(args.cache, args.model), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
+                single_copy=args.single_copy,
                 seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
     compute = None

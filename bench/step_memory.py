@@ -27,6 +27,10 @@ def kib(field):
             return int(line.split()[1]) / 2**20
 
 
+def note(rank, step, key, value):
+    print(f"[rank {rank}] step {step} {key} {value:.2f} GiB", file=sys.stderr, flush=True)
+
+
 def reset():
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -68,12 +72,16 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
         rec["start"] = kib("VmRSS")
         loss = sm(input_ids=ids, labels=ids).loss
         rec["fwd_peak"] = kib("VmHWM")
+        note(rank, step, "fwd_peak", rec["fwd_peak"])
         rec["after_fwd"] = kib("VmRSS")
+        note(rank, step, "after_fwd", rec["after_fwd"])
         if trim:
             reset()
         loss.backward()
         rec["bwd_peak"] = kib("VmHWM")
+        note(rank, step, "bwd_peak", rec["bwd_peak"])
         rec["after_bwd"] = kib("VmRSS")
+        note(rank, step, "after_bwd", rec["after_bwd"])
         gsz = (
             sum(
                 p.grad.to_local().numel() * 4
@@ -87,7 +95,9 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
             reset()
         opt.step()
         rec["opt_peak"] = kib("VmHWM")
+        note(rank, step, "opt_peak", rec["opt_peak"])
         rec["after_opt"] = kib("VmRSS")
+        note(rank, step, "after_opt", rec["after_opt"])
         opt.zero_grad(set_to_none=True)
         reset()
         rec["end"] = kib("VmRSS")

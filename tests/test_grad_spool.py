@@ -145,3 +145,25 @@ def test_stored_tensors_read_on_use_and_refuse_writes(tmp_path):
     store.write(region, value + 1)
     region.commit()
     assert torch.equal(stored.materialize(), value)
+
+
+def test_single_copy_stores_take_half_the_disk_and_refuse_lost_values(tmp_path):
+    import pytest
+
+    from zero3_compile.offload.store import OffloadError
+
+    double = DiskStore(str(tmp_path / "a"), "optimizer", 0)
+    single = DiskStore(str(tmp_path / "b"), "optimizer", 0, double_buffer=False)
+    regions = [store.allocate(8192) for store in (double, single)]
+    assert double.size == 2 * single.size
+    value = torch.randn(2048)
+    region = regions[1]
+    single.write(region, value)  # a step's new version, in place
+    region.commit()
+    back = torch.empty_like(value)
+    single.read(region, back)
+    assert torch.equal(back, value)
+    single.write(region, value + 1)
+    region.discard()  # the step failed: the previous values are gone
+    with pytest.raises(OffloadError, match="double_buffer=True"):
+        single.read(region, back)

@@ -50,9 +50,14 @@ def offload_optimizer(
     threads: int = 4,
     o_direct: bool = False,
     poison: bool = False,
+    double_buffer: bool = True,
 ) -> torch.optim.Optimizer:
     """Keep ``optimizer``'s state in ``tier`` ("disk" or, for accelerator models, "cpu") between
-    steps; returns the same optimizer object (``isinstance`` checks and DCP keep working)."""
+    steps; returns the same optimizer object (``isinstance`` checks and DCP keep working).
+
+    ``double_buffer=False``: one copy of the state on disk, rewritten in place (half the disk);
+    a step that fails on an I/O error then loses the state it was writing (reads of it raise:
+    resume from a checkpoint) instead of keeping the previous one."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"zero3: offload_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -78,7 +83,9 @@ def offload_optimizer(
     store = (
         HostStore()
         if tier == "cpu"
-        else DiskStore(path, "optimizer", rank, threads=threads, o_direct=o_direct)
+        else DiskStore(
+            path, "optimizer", rank, threads=threads, o_direct=o_direct, double_buffer=double_buffer
+        )
     )
     offloaded = _OptimizerOffload(optimizer, store, int(tile_mb * 2**20), read_ahead, poison)
     optimizer.__dict__["_zero3_tiled"] = True
@@ -263,6 +270,8 @@ class _OptimizerOffload:
                     load(j)
                 waited = time.perf_counter()
                 loads.pop(i).result()
+                if i >= 2:  # write-behind one tile deep: memory stays bounded, errors surface
+                    writes[i - 2].result()
                 self.store.count_wait(time.perf_counter() - waited)
                 resident = sum(1 for f in loads.values()) + 1 + sum(not w.done() for w in writes)
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)

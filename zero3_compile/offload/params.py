@@ -50,6 +50,10 @@ class Offload:
     threads: I/O threads of the disk tier.
     poison: debug mode: evicted shards and reloads still in flight hold NaN, so any read that is
         not preceded by its wait shows up as NaN in the results.
+    double_buffer: the disk tier writes each new version of a shard beside the current one, so
+        an I/O error during a step leaves the previous values (twice the disk). False: one copy,
+        rewritten in place; after such an error the lost values refuse to be read (resume from
+        a checkpoint). For models whose state fills the disk.
     """
 
     params: str | None = None
@@ -58,6 +62,7 @@ class Offload:
     o_direct: bool = False
     threads: int = 4
     poison: bool = False
+    double_buffer: bool = True
 
     def validate(self, device: torch.device) -> None:
         for what in ("params", "grads"):
@@ -280,6 +285,7 @@ def open_store(root, offload: Offload, device: torch.device):
                 dist.get_rank(),
                 threads=offload.threads,
                 o_direct=offload.o_direct,
+                double_buffer=offload.double_buffer,
             )
         )
     except OffloadError as error:

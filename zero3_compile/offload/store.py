@@ -39,15 +39,29 @@ class OffloadError(OSError):
 
 @dataclass
 class Region:
-    """Two slots of ``nbytes`` in a store's file; ``current`` holds the committed values."""
+    """Two slots of ``nbytes`` in a store's file; ``current`` holds the committed values.
+
+    A single-slot region (a store with ``double_buffer=False``: half the disk) is rewritten in
+    place: discarding a write then cannot bring the previous values back, so the region is
+    marked lost and every later read raises ``OffloadError``.
+    """
 
     offsets: tuple[int, int]
     nbytes: int
     current: int = 0
     pending: int | None = None  # the slot written since the last commit
+    lost: bool = False
 
     @property
     def read_offset(self) -> int:
+        if self.lost:
+            raise OffloadError(
+                errno.EIO,
+                "zero3: these offloaded values were lost: a step failed while rewriting them in "
+                "place (double_buffer=False keeps one copy on disk); load a checkpoint, or "
+                "offload with double_buffer=True (twice the disk) so a failed step keeps the "
+                "previous values",
+            )
         return self.offsets[self.current]
 
     def commit(self) -> None:
@@ -57,6 +71,8 @@ class Region:
 
     def discard(self) -> None:
         """Forget the pending slot: the current one still holds the previous values."""
+        if self.pending is not None and self.offsets[0] == self.offsets[1]:
+            self.lost = True  # one slot: the write went over the current values
         self.pending = None
 
 
@@ -83,6 +99,7 @@ class DiskStore:
         o_direct: bool = False,
         staging_buffers: int = 4,
         staging_mb: float = 16.0,
+        double_buffer: bool = True,
     ):
         private = path is None
         if private:
@@ -123,6 +140,7 @@ class DiskStore:
             os.rmdir(self.folder)
             self.folder = os.path.dirname(self.folder)  # where the space comes from
         self.size = 0
+        self.slots = 2 if double_buffer else 1
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="zero3-io")
         self.staging_bytes = _aligned(int(staging_mb * 2**20))
@@ -144,10 +162,11 @@ class DiskStore:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate(self, nbytes: int, slots: int = 2) -> Region:
+    def allocate(self, nbytes: int, slots: int | None = None) -> Region:
         """Preallocated slots of ``nbytes`` (two: a new version is written beside the current
-        one; one: values that are never replaced in place); raises ``OffloadError`` naming the
-        bytes needed."""
+        one; one: rewritten in place, or never rewritten; default: the store's
+        ``double_buffer``); raises ``OffloadError`` naming the bytes needed."""
+        slots = self.slots if slots is None else slots
         slot = _aligned(max(nbytes, 1))
         with self.lock:
             first = self.size
