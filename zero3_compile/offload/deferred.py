@@ -43,12 +43,17 @@ def reads_deferred() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def wrapper_tensor(cls, shape, dtype, device, strides=None) -> torch.Tensor:
+    """A tensor subclass instance of ``shape`` (contiguous strides) that holds no storage."""
+    if strides is None:
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        strides = tuple(reversed(strides))
+    return torch.Tensor._make_wrapper_subclass(
+        cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=False
+    )
 
 
 class StoredTensor(torch.Tensor):
@@ -59,14 +64,7 @@ class StoredTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, store, region: Region, shape, dtype, device):
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=_contiguous_strides(shape),
-            dtype=dtype,
-            device=device,
-            requires_grad=False,
-        )
+        self = wrapper_tensor(cls, shape, dtype, device)
         self._store = store
         offset = region.read_offset
         snapshot = Region((offset, offset), region.nbytes)
@@ -87,14 +85,7 @@ class StoredTensor(torch.Tensor):
         return out
 
     def _alias(self) -> StoredTensor:
-        alias = torch.Tensor._make_wrapper_subclass(
-            StoredTensor,
-            self.shape,
-            strides=self.stride(),
-            dtype=self.dtype,
-            device=self.device,
-            requires_grad=False,
-        )
+        alias = wrapper_tensor(StoredTensor, self.shape, self.dtype, self.device, self.stride())
         alias._store, alias._region = self._store, self._region
         return alias
 

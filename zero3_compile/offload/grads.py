@@ -35,11 +35,11 @@ from collections import defaultdict
 from concurrent.futures import Future
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from ..compat import storage_key
+from .deferred import wrapper_tensor
 from .store import DiskStore, HostStore, OffloadError, Region
 
 log = logging.getLogger(__name__)
@@ -124,14 +124,6 @@ class _Version:
             pass
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class _Cell:
     """What a gradient and its aliases (``detach``, ``view``) hold: the current version and the
     multiplications pending on it; an in-place operation on any alias changes it for all."""
@@ -151,14 +143,7 @@ class SpooledGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, spool, cell, shape, dtype, device):
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=_contiguous_strides(shape),
-            dtype=dtype,
-            device=device,
-            requires_grad=False,
-        )
+        self = wrapper_tensor(cls, shape, dtype, device)
         self._spool = spool
         self._cell = cell
         return self
@@ -446,25 +431,9 @@ def _spool_accumulated(state):
 
 def open_spool(root, offload, device: torch.device) -> GradSpool:
     """The gradient spool of a model; every rank raises if any rank failed."""
-    from .params import _agree
+    from .params import open_store
 
-    failure, store = None, None
-    try:
-        store = (
-            HostStore()
-            if offload.grads == "cpu"
-            else DiskStore(
-                offload.path,
-                "grads",
-                dist.get_rank(),
-                threads=offload.threads,
-                o_direct=offload.o_direct,
-            )
-        )
-    except OffloadError as error:
-        failure = error
-    _agree(root.dp.shard_group, failure)
-    return GradSpool(store)
+    return GradSpool(open_store(root, offload, device, what="grads"))
 
 
 def spool_gradients(root, states: list, offload, device: torch.device) -> None:

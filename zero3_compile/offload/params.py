@@ -270,18 +270,19 @@ def store_shards(states: Iterable) -> None:
 # --------------------------------------------------------------------------- setting up
 
 
-def open_store(root, offload: Offload, device: torch.device):
-    """The offload store of a model's parameter shards; every rank raises if any rank failed (an
-    unwritable path or a full disk on one rank must not leave the others waiting)."""
+def open_store(root, offload: Offload, device: torch.device, what: str = "params"):
+    """The offload store of a model's parameter shards (``what="grads"``: its gradient spool's);
+    every rank raises if any rank failed (an unwritable path or a full disk on one rank must not
+    leave the others waiting)."""
     offload.validate(device)
     failure, store = None, None
     try:
         store = (
             HostStore()
-            if offload.params == "cpu"
+            if getattr(offload, what) == "cpu"
             else DiskStore(
                 offload.path,
-                "params",
+                what,
                 dist.get_rank(),
                 threads=offload.threads,
                 o_direct=offload.o_direct,
