@@ -421,10 +421,7 @@ def _spool_accumulated(state):
         if isinstance(local, SpooledGrad):
             return
         spooled_by_hook += 1
-        spooled = spool(state, local)
-        param.grad = DTensor.from_local(
-            spooled, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
+        param.grad = with_local(param, spool(state, local))
 
     return hook
 
