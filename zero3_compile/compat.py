@@ -140,6 +140,30 @@ def mesh_from_group(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh of the dimensions of ``meshes`` (slices of one ``init_device_mesh``), as FSDP2
+    builds its data-parallel x tensor-parallel mesh. ``DeviceMesh._concatenate`` is private (no
+    public alternative); checked 2.13-2.14, present since 2.8."""
+    try:
+        return DeviceMesh._concatenate(meshes)
+    except (RuntimeError, AttributeError, TypeError, AssertionError) as error:
+        raise ValueError(
+            "zero3: the data-parallel mesh and the tensor-parallel mesh of a DTensor parameter "
+            f"must be named dimensions of one init_device_mesh ({error}); build "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply "
+            "parallelize_module(model, mesh['tp'], plan) and call shard(model, mesh=mesh['dp'])"
+        ) from error
+
+
+def strided_shard(dim: int, split_factor: int):
+    """``_StridedShard(dim, split_factor)``: a dim-0 chunk of each of ``split_factor`` chunks (the
+    dp placement of a parameter TP shards along the same dimension, as FSDP2 stores it). Private
+    placement, no public alternative; 2.11-2.14."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
 def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 

@@ -49,7 +49,7 @@ from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
 from .graph_facts import output_dependencies
-from .graph_utils import copy_graph_module, output_node
+from .graph_utils import copy_graph_module, output_node, save_waited
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
 from .passes import check_no_gathered_saved
@@ -212,6 +212,7 @@ class Zero3Partitioner(partitioner_base()):
         with _timed("partitioner (min-cut)"):
             fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
             order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
+            save_waited(fw_module, kwargs["num_fwd_outputs"])
         fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
         if options.reshard_after_forward:
             check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"], kept)

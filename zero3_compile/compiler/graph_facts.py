@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
 from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
+from .node_keys import ROLE
 
 
 def is_view(node: fx.Node) -> bool:
@@ -48,10 +49,16 @@ def view_root(node: fx.Node) -> fx.Node:
 
 
 def is_gather_wait(node: fx.Node) -> bool:
+    """The wait of one of our parameter all-gathers (not of a foreign one: tensor parallelism's
+    sequence-parallel gathers carry activations)."""
     if node.op != "call_function" or node.target is not WAIT:
         return False
     source = node.args[0]
-    return isinstance(source, fx.Node) and source.target is ALL_GATHER
+    return (
+        isinstance(source, fx.Node)
+        and source.target is ALL_GATHER
+        and source.meta.get(ROLE) is not None
+    )
 
 
 def recomputable(node: fx.Node) -> bool:

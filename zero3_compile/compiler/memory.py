@@ -89,7 +89,9 @@ def memory_timeline(
                 source = node if node.target is ALL_GATHER else node.args[0]
                 temporary = _nbytes(source.meta.get("val"))
                 delta[position[node]] += temporary
-                wait = max((position[w] for w in node.users), default=position[node])
+                wait = max(
+                    (position[w] for w in node.users if w.target is WAIT), default=position[node]
+                )
                 delta[wait + 1] -= temporary
     for key, start in first.items():
         if key in is_input:

@@ -33,7 +33,7 @@ from ..collectives.ops import REDUCE_GRAD, UNSHARD
 from ..compat import backend_of, min_cut_partition, order_saved_values
 from .context import PassContext
 from .graph_facts import shard_inputs
-from .graph_utils import copy_graph_module
+from .graph_utils import copy_graph_module, save_waited
 from .markers import ReduceGradCall, UnshardCall
 from .memory import memory_timeline
 
@@ -182,6 +182,7 @@ def estimate_step_peak(joint, joint_inputs, kwargs, ctx: PassContext, keep: set[
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     fw, bw = min_cut_partition(copy, joint_inputs, **kwargs)
     order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
+    save_waited(fw, kwargs["num_fwd_outputs"])
     quiet = dataclasses.replace(ctx.options, verify=False, dump_dir=None)
     scheduling = [p for p in FORWARD_PASSES if p.__name__ != "insert_guard"]
     run_pipeline(fw, PassContext(options=quiet, graph_kind="forward"), scheduling)

@@ -11,6 +11,7 @@ import re
 import torch.fx as fx
 
 from ..compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, COLLECTIVES, REDUCE_SCATTER, WAIT
+from ..sharding.layout import foreign_group_role
 from .node_keys import GROUP_ROLE, PARAMS
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,8 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
 
     ``roles``: groups by their role ("shard", "replicate", set by the scheme that created the
     collective), the same on every rank, instead of their names (a 2-D mesh's subgroups have
-    other names on other rows).
+    other names on other rows); a foreign collective's group (tensor parallelism's) by the name
+    of its mesh dimension.
     """
     signature = []
     for node in graph.nodes:
@@ -35,7 +37,10 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
         else:
             group = node.args[2]
             kind, world = f"all_reduce_{node.args[1]}", _group_size(group)
-        name = node.meta.get(GROUP_ROLE, str(group)) if roles else str(group)
+        if roles:
+            name = node.meta.get(GROUP_ROLE) or foreign_group_role(str(group))
+        else:
+            name = str(group)
         signature.append((kind, name, int(world), int(tensor.numel()), str(tensor.dtype)))
     return signature
 

@@ -90,7 +90,7 @@ def reclass(module: nn.Module) -> None:
     """Give ``module`` the generated class matching its base class and its parameters."""
     base = base_class(module)
     params = module_state(module).params
-    key = (base, tuple(sorted((attr, s.spec.unbound_literal()) for attr, s in params.items())))
+    key = (base, tuple(sorted((attr, *_share_key(s)) for attr, s in params.items())))
     cls = _classes.get(key)
     if cls is None:
         namespace = class_namespace(base)
@@ -99,6 +99,12 @@ def reclass(module: nn.Module) -> None:
         cls = generated_class(base, namespace)
         _classes[key] = cls
     module.__class__ = cls
+
+
+def _share_key(state: ShardedParam) -> tuple:
+    """What a parameter shares with the same parameter of an identical block."""
+    layout = None if state.layout is None else state.layout.key()
+    return state.spec.unbound_literal(), layout
 
 
 def _make_getter(attr: str, state: ShardedParam):
@@ -117,6 +123,9 @@ def _make_getter(attr: str, state: ShardedParam):
     param_dtype = state.spec.param_dtype
     # kept gathered in the shard's dtype (accumulation.py); computed with in param_dtype
     kept_expr = "kept" if param_dtype is None else f"kept.to({param_dtype!r})"
+    # a tensor-parallel parameter: the gathered TP-local tensor as the module's TP DTensor
+    # ([Note: zero3 over tensor parallelism]); a leaf's scope holds it wrapped already
+    tp = (lambda expr: expr) if state.layout is None else (lambda expr: f"tp_wrap({expr})")
     source = (
         "def get_full_parameter(self):\n"
         "    module_state = self.__dict__['_zero3']\n"
@@ -129,19 +138,20 @@ def _make_getter(attr: str, state: ShardedParam):
         "    if mode is not SHARDED:\n"
         "        if mode is KEPT_GATHERED:\n"
         "            kept = param_state.kept_full\n"
-        f"            return {kept_expr}\n"
+        f"            return {tp(kept_expr)}\n"
         "        if mode is GATHERED:\n"
-        "            return param_state.kept_full\n"
+        f"            return {tp('param_state.kept_full')}\n"
         "        if mode is LOADING:\n"
         f"            return self._parameters[{attr!r}]\n"
         "        sink = param_state.grad_sink\n"
         f"    shard = self._parameters[{attr!r}].to_local()\n"
         "    if is_compiling():\n"
-        f"        return unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
+        f"        full = unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
+        f"        return {tp('full')}\n"
         "    with param_state.root.active():\n"
         "        spec = param_state.spec.literal()\n"
         "        full = unshard(shard, param_state.param_id, spec, sink)\n"
-        "    return gathered_parameter(full, param_state)\n"
+        f"    return {tp('gathered_parameter(full, param_state)')}\n"
     )
     from ..runtime.write_through import gathered_parameter
 
@@ -154,6 +164,7 @@ def _make_getter(attr: str, state: ShardedParam):
         "GATHERED": ShardState.GATHERED,
         "LOADING": ShardState.LOADING,
         "torch": torch,
+        "tp_wrap": None if state.layout is None else state.layout.wrap,
     }
     exec(compile(source, f"<zero3 parameter {attr}>", "exec"), namespace)
     return namespace["get_full_parameter"]
@@ -171,10 +182,10 @@ def apply_(self: nn.Module, fn, recurse: bool = True):
         param = self._parameters.get(attr)
         if param is None:
             continue
-        if not isinstance(param, DTensor) or tuple(param.shape) != state.full_shape:
+        if not isinstance(param, DTensor) or tuple(param.shape) != state.global_shape:
             raise RuntimeError(
                 f"zero3: {state.fqn} is no longer a sharded parameter of shape "
-                f"{state.full_shape} after module._apply(); only dtype and device changes are "
+                f"{state.global_shape} after module._apply(); only dtype and device changes are "
                 "supported on a sharded model"
             )
         state.attach(param)

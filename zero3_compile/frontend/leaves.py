@@ -101,6 +101,7 @@ def _leaf_exit(members):
 def _gather_eagerly(members) -> list[torch.Tensor]:
     from ..collectives.ops import UnshardMany
     from ..runtime.write_through import gathered_parameter
+    from ..sharding.layout import wrap_full
 
     unique: dict[int, ShardedParam] = {}
     for state, attr, _ in members:
@@ -108,5 +109,5 @@ def _gather_eagerly(members) -> list[torch.Tensor]:
         unique.setdefault(id(param_state), param_state)
     params = list(unique.values())
     fulls = UnshardMany.apply(tuple(params), *[p.local() for p in params])
-    by_state = {id(p): gathered_parameter(f, p) for p, f in zip(params, fulls)}
+    by_state = {id(p): wrap_full(p, gathered_parameter(f, p)) for p, f in zip(params, fulls)}
     return [by_state[id(state.params[attr])] for state, attr, _ in members]

@@ -93,7 +93,9 @@ def adopt(state: ShardedParam, value: torch.Tensor) -> None:
         fresh = local.to(dtype=dtype).contiguous()
         if fresh is local and not fresh.untyped_storage().resizable():
             fresh = fresh.clone()  # memory of a file reader's: a shard must own its storage
-        real = nn.Parameter(state.root.dp.wrap(fresh, spec), requires_grad=param.requires_grad)
+        real = nn.Parameter(
+            state.root.dp.wrap(fresh, spec, state.layout), requires_grad=param.requires_grad
+        )
         torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
         state.attach(param)
     elif state.offload is not None:  # into the store, as a new version

@@ -23,6 +23,12 @@ def reduce_ex(self: nn.Module, protocol):
     base = type(self).__dict__[BASE]
     state = dict(self.__dict__)
     module = module_state(self)
+    if any(p.layout is not None for p in module.params.values()):
+        raise TypeError(
+            "zero3: a sharded model with tensor-parallel parameters cannot be pickled or "
+            "deep-copied; save it with z3.save_checkpoint, or copy the model before "
+            "parallelize_module and shard"
+        )
     state.pop("_zero3", None)
     return (_rebuild_module, (base, (module.prefix, module.root)), state)
 

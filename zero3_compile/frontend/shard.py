@@ -25,6 +25,7 @@ from ..offload.params import Offload, offload_model, open_store
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import watch_optimizers
 from ..runtime.root import Zero3Runtime
+from ..sharding.layout import TensorParallelLayout, model_parallel_mesh, register_mesh_dims
 from ..sharding.mesh import DataParallelMesh
 from ..sharding.state import ModuleState, ShardedParam, param_id_of
 from .classes import is_sharded_module, make_sharded
@@ -82,6 +83,9 @@ def shard(
         offload.validate(device)
         root.offload = offload if offload.params is not None else None
     spools_grads = offload is not None and offload.grads is not None
+    tp_mesh = model_parallel_mesh(named)
+    if tp_mesh is not None:
+        register_mesh_dims(tp_mesh)
 
     canonical = {}  # id(original parameter) -> first name
     for name, param in named:
@@ -95,7 +99,7 @@ def shard(
                 continue
             state = states.get(id(param))
             if state is None:
-                state = shard_parameter(param, canonical[id(param)], root)
+                state = shard_parameter(param, canonical[id(param)], root, tp_mesh)
                 states[id(param)] = state
             sub._parameters[attr] = state.param
             own[attr] = state
@@ -133,32 +137,47 @@ def shard(
     return module
 
 
-def shard_parameter(param: nn.Parameter, fqn: str, root: Zero3Runtime) -> ShardedParam:
+def shard_parameter(
+    param: nn.Parameter, fqn: str, root: Zero3Runtime, tp_mesh: DeviceMesh | None = None
+) -> ShardedParam:
     """The sharded parameter of ``param``: this rank's rows as the parameter's ``DTensor``.
 
     The user's ``nn.Parameter`` object itself becomes the sharded parameter (its contents are
-    swapped), so references held elsewhere (an optimizer built too early) stay valid.
+    swapped), so references held elsewhere (an optimizer built too early) stay valid. A
+    tensor-parallel ``DTensor`` parameter, and beside one (``tp_mesh``) a plain parameter, is laid
+    out as [Note: zero3 over tensor parallelism] says.
     """
     if param.dim() == 0:
         raise ValueError(
             f"zero3: parameter {fqn!r} is a 0-dim scalar, which cannot be sharded along dim 0; "
             "store it with shape (1,) (e.g. nn.Parameter(value.reshape(1)))"
         )
+    layout = None
     full = param.detach()
+    if isinstance(full, DTensor):  # tensor parallelism: shard its local tensor
+        layout = TensorParallelLayout.of(fqn, full, root.dp.ranks)
+        full = full._local_tensor
+    elif tp_mesh is not None:
+        layout = TensorParallelLayout.replicated(tp_mesh, full.shape)
     spec = root.dp.spec(fqn, full.shape, root.policy)
     rank = root.rank
     if full.device.type == "meta":
         local = full.new_empty(spec.local_shape(rank))
     else:
         local = spec.chunk(full, rank)
-    sharded = nn.Parameter(root.dp.wrap(local, spec), requires_grad=param.requires_grad)
+    sharded = nn.Parameter(root.dp.wrap(local, spec, layout), requires_grad=param.requires_grad)
     try:
         torch.utils.swap_tensors(param, sharded)
         sharded = param
     except RuntimeError:  # a weak reference to the original (rare): keep the new object
         pass
     state = ShardedParam(
-        param_id=param_id_of(fqn, full.shape), spec=spec, rank=rank, param=sharded, root=root
+        param_id=param_id_of(fqn, full.shape),
+        spec=spec,
+        rank=rank,
+        param=sharded,
+        root=root,
+        layout=layout,
     )
     state.attach(sharded)
     # every rank knows every parameter: it can name the peers' eager collectives in an error
@@ -223,11 +242,6 @@ def _check_can_shard(module: nn.Module) -> None:
             )
     named = list(module.named_parameters(remove_duplicate=False))
     for name, param in named:
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"zero3: parameter {name!r} is already a DTensor (sharded by another tool such as "
-                "FSDP2 or tensor parallelism); zero3_compile.shard expects plain parameters"
-            )
         if param.dim() == 0:
             raise ValueError(
                 f"zero3: parameter {name!r} is a 0-dim scalar, which cannot be sharded along dim 0; "

@@ -105,7 +105,7 @@ def _keep_local_chunk(param: nn.Parameter, full: torch.Tensor, device: torch.dev
     local = state.spec.chunk(full, state.rank)
     if param.to_local().device.type == "meta":
         real = nn.Parameter(
-            state.root.dp.wrap(local, state.spec), requires_grad=param.requires_grad
+            state.root.dp.wrap(local, state.spec, state.layout), requires_grad=param.requires_grad
         )
         torch.utils.swap_tensors(param, real)  # also swaps the attributes: attach the state again
         state.attach(param)

@@ -110,15 +110,21 @@ class DataParallelMesh:
             grads_offloaded=grads_offloaded,
         )
 
-    def wrap(self, local: torch.Tensor, spec: ShardSpec) -> DTensor:
-        """This rank's shard as the parameter's ``DTensor`` (global shape and stride)."""
+    def wrap(self, local: torch.Tensor, spec: ShardSpec, layout=None) -> DTensor:
+        """This rank's shard as the parameter's ``DTensor`` (global shape and stride); for a
+        tensor-parallel parameter (``layout``, see [Note: zero3 over tensor parallelism]) on the
+        concatenated (dp, tp) mesh."""
+        if layout is None:
+            mesh, placements, shape = self.mesh, self.placements, spec.shape
+        else:
+            (mesh, placements), shape = layout.combined(self.mesh, self.placements), layout.shape
         return DTensor.from_local(
             local,
-            self.mesh,
-            list(self.placements),
+            mesh,
+            list(placements),
             run_check=False,
-            shape=torch.Size(spec.shape),
-            stride=contiguous_stride(spec.shape),
+            shape=torch.Size(shape),
+            stride=contiguous_stride(shape),
         )
 
 

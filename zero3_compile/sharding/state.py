@@ -82,6 +82,10 @@ class ShardedParam:
     # KEPT_GATHERED: the full parameter, in the shard's dtype; its .grad accumulates.
     # GATHERED: the full parameter in the compute dtype, without gradient
     kept_full: torch.Tensor | None = field(default=None, repr=False)
+    # a tensor-parallel DTensor parameter: its TP layout (``sharding.layout``); None otherwise
+    layout: Any = field(default=None, repr=False)
+    # what the gradient pending unreduced is scaled by when reduced (``frontend/pending.py``)
+    pending_factor: float = 1.0
 
     @property
     def fqn(self) -> str:
@@ -89,7 +93,13 @@ class ShardedParam:
 
     @property
     def full_shape(self) -> tuple[int, ...]:
+        """The tensor zero3 gathers: the parameter's full shape, or its TP-local shape."""
         return self.spec.shape
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as ``DTensor`` (the TP-global shape under TP)."""
+        return self.spec.shape if self.layout is None else self.layout.shape
 
     @property
     def requires_sync(self) -> bool:

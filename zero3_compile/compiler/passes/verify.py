@@ -24,7 +24,9 @@ def verify(
 
     **Invariant** checked:
     - the graph is well formed (``graph.lint``: every use after its definition);
-    - every collective has exactly one user, its ``wait_tensor``, and every wait reads a collective;
+    - every collective of ours has exactly one user, its ``wait_tensor``, and every wait reads a
+      collective; a foreign collective (tensor parallelism's) is waited for after it or handed to
+      the other graph of the partition;
     - once lowered (``lowered=True``), no marker is left; once guarded (``guarded=True``), a graph
       with collectives of ours (tagged with a role) runs exactly one cross-rank guard, before the
       first of them;
@@ -42,6 +44,9 @@ def verify(
             continue
         if node.target in COLLECTIVES:
             collectives.append(node)
+            if node.meta.get(ROLE) is None:
+                _check_foreign(node, order)
+                continue
             users = list(node.users)
             if len(users) != 1 or users[0].target is not WAIT:
                 raise ScheduleError(
@@ -55,7 +60,12 @@ def verify(
             source = node.args[0]
             if not (
                 isinstance(source, fx.Node)
-                and (source.target in COLLECTIVES or source.target is RELOAD)
+                and (
+                    source.target in COLLECTIVES
+                    or source.target is RELOAD
+                    # a foreign collective issued by the other graph of the partition
+                    or source.op == "placeholder"
+                )
             ):
                 raise ScheduleError(f"zero3: wait {node.name} does not read a collective")
         elif node.target is RELOAD and lowered:
@@ -77,6 +87,17 @@ def verify(
                     f"zero3: gathered parameter {out.name} is an output of the {ctx.graph_kind} "
                     "graph, so it would stay alive after its last use"
                 )
+
+
+def _check_foreign(node: fx.Node, order: dict) -> None:
+    """A collective we did not insert (tensor parallelism's, DTensor's): waited in this graph after
+    it, or handed to the other graph of the partition; other readers are allowed (the value after
+    the wait is the same tensor)."""
+    waits = [u for u in node.users if u.target is WAIT]
+    if any(order[w] <= order[node] for w in waits):
+        raise ScheduleError(f"zero3: a wait precedes the collective {node.name}")
+    if not waits and not any(u.op == "output" for u in node.users):
+        raise ScheduleError(f"zero3: collective {node.name} is never waited for")
 
 
 def check_no_gathered_saved(

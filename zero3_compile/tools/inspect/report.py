@@ -30,6 +30,7 @@ from ...compiler.node_keys import (
     ROLE_RELOAD,
 )
 from ...compiler.recording import GraphRecord
+from ...sharding.layout import foreign_group_role
 
 
 @dataclass
@@ -273,7 +274,8 @@ def build_report(record: GraphRecord) -> GraphReport:
             if node.meta.get(ROLE) == ROLE_REDUCE_SCATTER:
                 kind = "reduce_scatter"  # issued as an all-reduce (gloo, torch 2.14)
             value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
-            per_group = report.group_bytes.setdefault(node.meta.get(GROUP_ROLE, str(group)), {})
+            name = node.meta.get(GROUP_ROLE) or foreign_group_role(str(group))
+            per_group = report.group_bytes.setdefault(name, {})
             per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
 
     timeline = memory_timeline(
