@@ -21,7 +21,9 @@ parameters, and the full gradients accumulate on them). Turning sync on reduce-s
 accumulated gradients into the shards' ``.grad`` and frees the kept parameters. It costs a full
 parameter and a full gradient per rank (in the shard's dtype) over the window: DDP's memory.
 
-``optimizer.step()`` while gradients are pending unreduced raises: stepping then would apply a
+While sync is off ``param.grad`` is a ``PendingGrad`` (``pending.py``): in-place scalings of it
+(a pipeline schedule's ``scale_grads``) apply to the pending gradient when it is reduced; other
+uses raise. ``optimizer.step()`` while gradients are pending unreduced raises: stepping then would apply a
 partial gradient (or a stale kept parameter would be read after the step).
 """
 
@@ -36,6 +38,7 @@ from ..offload.grads import spool
 from ..runtime.optimizers import watch_optimizers
 from ..sharding.spec import ShardSpec
 from ..sharding.state import ShardedParam, ShardState, module_state
+from .pending import close_window, open_window
 
 
 def set_requires_gradient_sync(
@@ -62,6 +65,8 @@ def set_requires_gradient_sync(
     # in module order, the same on every rank: the eager collectives below pair up
     for param_state in states.values():
         if requires_gradient_sync:
+            # in-place scalings of param.grad in the window apply to the pending gradient
+            param_state.pending_factor *= close_window(param_state)
             if param_state.state is ShardState.KEPT_GATHERED:
                 _release(param_state)
             param_state.transition(ShardState.SHARDED)
@@ -73,6 +78,7 @@ def set_requires_gradient_sync(
             param_state.transition(ShardState.KEPT_GATHERED)
         elif param_state.state is ShardState.SHARDED:
             param_state.transition(ShardState.ACCUMULATING)
+        open_window(param_state)
 
 
 def _exact(spec: ShardSpec) -> str:
@@ -109,6 +115,9 @@ def _add_reduced(state: ShardedParam, pending: torch.Tensor) -> None:
         reduced = REDUCE_GRAD(
             pending, state.param_id, state.spec.literal(), list(local.shape), local.dtype
         )
+    if state.pending_factor != 1.0:  # scaled while pending (pending.py)
+        reduced.mul_(state.pending_factor)
+        state.pending_factor = 1.0
     if state.spec.grads_offloaded:
         reduced = spool(state, reduced)
     param = state.param
@@ -141,3 +150,21 @@ def _flush(state: ShardedParam):
         _add_reduced(state, pending)
 
     return flush
+
+
+def discard_pending(model: nn.Module) -> None:
+    """Drop every gradient of ``model``'s sharded parameters, pending or reduced, and every kept
+    parameter, without a collective (what a pipeline's metadata inference computed)."""
+    for module in model.modules():
+        state = module_state(module)
+        if state is None:
+            continue
+        for param_state in state.params.values():
+            close_window(param_state)
+            param_state.pending_factor = 1.0
+            if param_state.grad_sink is not None:
+                param_state.grad_sink.grad = None
+            if param_state.state is ShardState.KEPT_GATHERED:
+                param_state.kept_full = None
+            param_state.transition(ShardState.SHARDED)
+            param_state.param.grad = None

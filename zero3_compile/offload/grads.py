@@ -415,7 +415,9 @@ def _spool_accumulated(state):
         """Whatever produced this gradient (eager code, another backend): into the spool."""
         global spooled_by_hook
         grad = param.grad
-        if grad is None:
+        # sync off: param.grad is the pending placeholder (frontend/pending.py), the gradients
+        # are elsewhere until they are reduced (and spooled then)
+        if grad is None or not state.requires_sync:
             return
         local = grad._local_tensor if isinstance(grad, DTensor) else grad
         if isinstance(local, SpooledGrad):

@@ -89,7 +89,9 @@ def _check_no_pending_gradients(state) -> None:
         "call z3.set_requires_gradient_sync(model, True) before the last micro-batch's "
         "backward (with keep_gathered=True: at the latest before the step)"
         if state.state is not ShardState.SHARDED
-        else "run the last micro-batch's backward after turning sync back on: it reduces them"
+        else "run the last micro-batch's backward after turning sync back on: it reduces them "
+        "(a pipeline schedule's step() runs every backward: use keep_gathered=True, whose "
+        "gradients are reduced when sync is turned on, or zero3_compile.parallel.PipelineStage)"
     )
     raise RuntimeError(
         f"zero3: optimizer.step() while {state.fqn!r} holds gradients accumulated with "
