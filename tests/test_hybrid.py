@@ -21,7 +21,7 @@ from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, RED
 from zero3_compile.compiler.node_keys import GROUP_ROLE
 
 from .dist_utils import run_ranks, run_scenarios
-from .training import PER_RANK_BATCH, build, make_optimizer, rel_diff
+from .training import PER_RANK_BATCH, build, full_optimizer_state, make_optimizer, rel_diff
 
 TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
 SHARD_REDUCTION = "reduce_scatter"  # the shard groups' reduction by default (compat.py)
@@ -126,7 +126,7 @@ def save_2x2(rank, world, folder):
     loss_fn(model, (inputs[rows], targets[rows])).backward()
     opt.step()
     z3.save_checkpoint(folder, model, opt)
-    return {"params": z3.full_state_dict(model), "optim": _optimizer_state(model, opt)}
+    return {"params": z3.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
 
 
 def load(rank, world, folder, shape):
@@ -136,16 +136,7 @@ def load(rank, world, folder, shape):
     z3.shard(model, mesh=mesh, sync_timeout_s=120)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     z3.load_checkpoint(folder, model, opt)
-    return {"params": z3.full_state_dict(model), "optim": _optimizer_state(model, opt)}
-
-
-def _optimizer_state(model, opt):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        f"{names[id(p)]}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-        for p, state in opt.state.items()
-        for k, v in state.items()
-    }
+    return {"params": z3.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
 
 
 def bad_meshes(rank, world):

@@ -24,7 +24,7 @@ from zero3_compile.compiler.node_keys import ROLE
 from .dist_utils import run_scenarios
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
 from .tp_models import TinyLlama, TinyLlamaConfig, apply_tp, llama_batch, llama_loss
-from .training import rel_diff
+from .training import full_optimizer_state, rel_diff
 
 # uneven everywhere: vocab 67 over tp 2 (34 / 33 rows), then over dp 2 (17 / 17 / 17 / 16)
 UNEVEN = TinyLlamaConfig(vocab_size=67, dim=16, n_heads=4, hidden=20, n_layers=2)
@@ -206,7 +206,7 @@ def checkpoint_save(rank, world, folder):
     llama_loss(model, (inputs[rows], targets[rows])).backward()
     opt.step()
     z3.save_checkpoint(folder, model, opt)
-    return {"params": z3.full_state_dict(model), "optim": _optimizer_state(model, opt)}
+    return {"params": z3.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
 
 
 def checkpoint_load(rank, world, folder, shape):
@@ -218,7 +218,7 @@ def checkpoint_load(rank, world, folder, shape):
             p.to_local().normal_()  # other values everywhere before loading
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     z3.load_checkpoint(folder, model, opt)
-    return {"params": z3.full_state_dict(model), "optim": _optimizer_state(model, opt)}
+    return {"params": z3.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
 
 
 def checkpoint_load_unsharded(rank, world, folder):
@@ -227,7 +227,7 @@ def checkpoint_load_unsharded(rank, world, folder):
     model = TinyLlama(UNEVEN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     z3.load_checkpoint(folder, model, opt)
-    return {"params": dict(model.state_dict()), "optim": _optimizer_state(model, opt)}
+    return {"params": dict(model.state_dict()), "optim": full_optimizer_state(model, opt)}
 
 
 def checkpoint_load_fsdp2(rank, world, folder):
@@ -240,16 +240,7 @@ def checkpoint_load_fsdp2(rank, world, folder):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     z3.load_checkpoint(folder, model, opt)
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return {"params": params, "optim": _optimizer_state(model, opt)}
-
-
-def _optimizer_state(model, opt):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        f"{names[id(p)]}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-        for p, state in opt.state.items()
-        for k, v in state.items()
-    }
+    return {"params": params, "optim": full_optimizer_state(model, opt)}
 
 
 def _scenario(rank, world, name, *args):

@@ -210,3 +210,13 @@ def run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> dict[str, Any]:
             rank, world_size, model_name, optimizer, options, **kwargs
         )
     return results
+
+
+def full_optimizer_state(model, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor as a full tensor, keyed ``<parameter name>.<state key>``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        f"{names[id(p)]}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+        for p, state in opt.state.items()
+        for k, v in state.items()
+    }

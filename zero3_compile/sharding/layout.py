@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import concatenate_meshes, strided_shard
+from .mesh import contiguous_stride
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,7 +48,7 @@ class TensorParallelLayout:
     def replicated(cls, mesh: DeviceMesh, shape) -> TensorParallelLayout:
         """The layout of a plain parameter beside TP parameters on ``mesh``."""
         shape = tuple(shape)
-        return cls(mesh, (Replicate(),) * mesh.ndim, shape, _contiguous(shape), False)
+        return cls(mesh, (Replicate(),) * mesh.ndim, shape, contiguous_stride(shape), False)
 
     @classmethod
     def of(cls, name: str, param: DTensor, dp_ranks: list[int]) -> TensorParallelLayout:
@@ -116,14 +117,6 @@ class TensorParallelLayout:
 
 def _is_strided(placement) -> bool:
     return type(placement).__name__ == "_StridedShard"
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))
 
 
 def model_parallel_mesh(named) -> DeviceMesh | None:
