@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from zero3_compile.parallel import PipelineStage as Zero3Stage
 
 from .dist_utils import run_scenarios
 from .tp_models import TinyLlama, TinyLlamaConfig, llama_batch
-from .training import rel_diff
+from .training import full_optimizer_state, rel_diff
 
 CONFIG = TinyLlamaConfig(n_layers=2)
 N_MICRO = 4
@@ -28,25 +30,20 @@ PER_RANK = 4  # a data-parallel rank's batch: N_MICRO micro-batches of one seque
 
 
 class Part(nn.Module):
-    """A slice of TinyLlama: its embedding, some blocks, its head (each optional)."""
+    """A slice of TinyLlama: its embedding, some blocks, its head (each optional), under the
+    whole model's parameter names (blocks keyed by their index, as torchtitan cuts stages)."""
 
     def __init__(self, model: TinyLlama, embed: bool, layers: list[int], head: bool):
         super().__init__()
         self.tok_embeddings = copy.deepcopy(model.tok_embeddings) if embed else None
-        self.layers = nn.ModuleList(copy.deepcopy(model.layers[i]) for i in layers)
+        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layers})
         self.norm = copy.deepcopy(model.norm) if head else None
         self.output = copy.deepcopy(model.output) if head else None
-        self.names = {}  # own name -> the reference's
-        for name, _ in self.named_parameters():
-            parts = name.split(".")
-            if parts[0] == "layers":
-                parts[1] = str(layers[int(parts[1])])
-            self.names[name] = ".".join(parts)
 
     def forward(self, x):
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x)
         if self.output is not None:
             x = self.output(self.norm(x))
@@ -150,7 +147,7 @@ def pipeline(rank, world, schedule_name, sync, codegen=None):
         errors = []
         for part in parts.values():
             for name, param in part.named_parameters():
-                want = ref_params[part.names[name]].grad
+                want = ref_params[name].grad
                 if param.grad is None:
                     out.setdefault("missing", []).append(name)
                     errors.append(float("inf"))
@@ -167,10 +164,74 @@ def pipeline(rank, world, schedule_name, sync, codegen=None):
         ref_opt.zero_grad()
     for part in parts.values():
         for name, param in part.named_parameters():
-            want = ref_params[part.names[name]]
+            want = ref_params[name]
             out["param_error"] = max(out["param_error"], rel_diff(param.full_tensor(), want))
     out["n_params"] = len(params)
     return out
+
+
+def _one_step(parts, stages, schedule_name, pp, dp):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    if schedule_name == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, N_MICRO, loss_fn=_loss)
+    else:
+        schedule = Schedule1F1B(stages[0], N_MICRO, loss_fn=_loss)
+    tokens, targets = llama_batch(2 * PER_RANK, CONFIG, seed=7)
+    rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
+    schedule.step(tokens[rows]) if pp == 0 else schedule.step(target=targets[rows])
+
+
+def _stages(mesh, n_stages, reference):
+    pp = mesh["pp"].get_local_rank()
+    own = [pp, pp + 2] if n_stages == 4 else [pp]
+    parts = [Part(reference, *SPLITS[n_stages][i]) for i in own]
+    stages = []
+    for index, part in zip(own, parts):
+        z3.shard(part, mesh=mesh["dp"], sync_timeout_s=120)
+        group = mesh["pp"].get_group()
+        stages.append(Zero3Stage(part, index, n_stages, torch.device("cpu"), group=group))
+    return parts, stages
+
+
+def _full_state(parts, opt):
+    holder = nn.Module()  # the rank's stage modules under one root, names kept
+    holder.parts = nn.ModuleList(parts)
+    strip = len("parts.0.")
+    params = {n[strip:]: p.detach().full_tensor() for n, p in holder.named_parameters()}
+    optim = {k[strip:]: v for k, v in full_optimizer_state(holder, opt).items()}
+    return {"params": params, "optim": optim}
+
+
+def pp_save(rank, world, folder):
+    """One 1F1B step at (pp 2, dp 2); each rank saves its stage module (the whole model's
+    names)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    parts, stages = _stages(mesh, 2, TinyLlama(CONFIG))
+    opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-2)
+    _one_step(parts, stages, "1f1b", mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank())
+    opt.step()
+    z3.save_checkpoint(folder, parts, opt)
+    return _full_state(parts, opt)
+
+
+def pp_load(rank, world, folder, layout):
+    """The checkpoint at another layout: "dp4" (the whole model sharded over 4 ranks, no
+    pipeline), "interleaved" (4 stages, two per pp rank, (pp 2, dp 2))."""
+    torch.manual_seed(5)
+    reference = TinyLlama(CONFIG)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()  # other values everywhere before loading
+    if layout == "dp4":
+        parts = [Part(reference, True, list(range(CONFIG.n_layers)), True)]
+        z3.shard(parts[0], sync_timeout_s=120)
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        parts, _ = _stages(mesh, 4, reference)
+    opt = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-2)
+    z3.load_checkpoint(folder, parts, opt)
+    return _full_state(parts, opt)
 
 
 def refused(rank, world):
@@ -256,3 +317,32 @@ def test_the_3d_example_trains_like_eager():
     apart = [float(x) for x in re.findall(r"max \|param - eager\| (\S+)", done.stdout)]
     assert len(apart) == 6, done.stdout  # 3 steps, 2 stages
     assert max(apart) <= 1e-5, done.stdout
+
+
+def test_pipeline_checkpoint_loads_without_the_pipeline_and_at_another_stage_count():
+    """Stage modules saved at (pp 2, dp 2) under the whole model's names: the checkpoint loads
+    into the whole model sharded over 4 ranks and into 4 interleaved stages, bit-exact."""
+    folder = tempfile.mkdtemp(prefix="z3-pp-ckpt-")
+    try:
+        cases = [
+            ("pp_save", folder),
+            ("pp_load", folder, "dp4"),
+            ("pp_load", folder, "interleaved"),
+        ]
+        out = run_scenarios(_scenario, 4, cases, timeout=900)
+        saved = {"params": {}, "optim": {}}
+        for r in out[cases[0]]:
+            saved["params"].update(r["params"])
+            saved["optim"].update(r["optim"])
+        assert len(saved["params"]) == 21
+        for case in cases[1:]:
+            loaded = {"params": {}, "optim": {}}
+            for r in out[case]:
+                loaded["params"].update(r["params"])
+                loaded["optim"].update(r["optim"])
+            for kind in ("params", "optim"):
+                assert loaded[kind].keys() == saved[kind].keys(), (case, kind)
+                for key, value in saved[kind].items():
+                    assert torch.equal(loaded[kind][key], value), (case, key)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..frontend.loading import loading as shard_access
 from ..offload.deferred import deferred_reads, holds_deferred, materialized
 from ..runtime.guard import roll_call
+from .stages import StageModules, is_flattened
 
 _BACKUP = ".zero3-previous"
 MANIFEST = "zero3_manifest.json"
@@ -88,13 +89,18 @@ class PeerLostError(RuntimeError):
 
 def save_checkpoint(
     path: str | os.PathLike,
-    model: nn.Module,
+    model: nn.Module | list[nn.Module],
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, torch.Tensor] | None = None,
     rank_state: Any = None,
 ) -> None:
     """Save ``model`` (and ``optimizer``) shards to the directory ``path``; every rank must call it.
+
+    ``model`` may be a list: the pipeline stage modules this rank runs, holding their parameters
+    under the whole model's names (stages cut from the model with its module names kept, as
+    torchtitan does); the checkpoint then holds the whole model, and loads at another pipeline,
+    data- or tensor-parallel degree, or into the unsharded model.
 
     The checkpoint is written to ``path.tmp-<id>`` first and sealed with a manifest of every
     file's size and sha256; once every rank has finished, rank 0 renames it to ``path`` (moving the
@@ -104,7 +110,7 @@ def save_checkpoint(
     """
     path = os.fspath(path)
     call = _next_call("save")
-    state = _state(model, optimizer, for_save=True)
+    state = _state(StageModules(model), optimizer, for_save=True)
     if extra:
         state["extra"] = dict(extra)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -145,7 +151,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str | os.PathLike,
-    model: nn.Module,
+    model: nn.Module | list[nn.Module],
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, torch.Tensor] | None = None,
@@ -160,23 +166,38 @@ def load_checkpoint(
     """
     path = _existing(os.fspath(path))
     call = _next_call("load")
-    state = _state(model, optimizer)
-    if extra:
-        state["extra"] = dict(extra)
     try:  # the collective part: every rank fails alike here, or a peer is gone
         manifest = verify_checkpoint(path) if verify else None
-        dcp.load(state, storage_reader=SafeFileSystemReader(path))
+        reader = SafeFileSystemReader(path)
+        # the optimizer state's layout is the checkpoint's (stages.py), whatever model is given
+        flattened = is_flattened(reader.read_metadata())
+        stages = StageModules(model, flatten=flattened)
+        if stages.prefixed and optimizer is not None and not flattened:
+            raise ValueError(
+                f"zero3: the checkpoint at {path!r} was saved from one module, with the "
+                "optimizer state by parameter group; load it into one module (the whole model), "
+                "not a list of pipeline stage modules"
+            )
+        state = _state(stages, optimizer)
+        if extra:
+            state["extra"] = dict(extra)
+        dcp.load(state, storage_reader=reader)
     except BaseException as error:
         _raise_if_peer_lost(error, call, f"load_checkpoint({path!r})", "Nothing was loaded.")
         _raise_if_mismatched(error, path)
         raise
-    with shard_access(model):
+    loaded_state = stages.root_state(state)
+    with _shard_access(stages):
         if optimizer is not None:
             set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                stages.root,
+                optimizer,
+                model_state_dict=loaded_state["model"],
+                optim_state_dict=loaded_state["optim"],
+                options=stages.options,
             )
         else:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(stages.root, loaded_state["model"], options=stages.options)
     if extra:
         for key, value in state["extra"].items():
             if extra[key] is not value:
@@ -234,18 +255,30 @@ class _ReadingPlanner(DefaultSavePlanner):
 
 
 def _state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_save: bool = False
+    stages: StageModules, optimizer: torch.optim.Optimizer | None, *, for_save: bool = False
 ) -> dict[str, Any]:
     # torch's state-dict helpers find parameters by walking attributes (``getattr(module,
     # "weight")``): with the shards visible that reads the sharded parameters, not a gather each.
     # For a save, offloaded values come as tensors read on use (``offload/deferred.py``); a load
     # fills real tensors
     deferred = deferred_reads() if for_save else contextlib.nullcontext()
-    with shard_access(model), deferred:
+    with _shard_access(stages), deferred:
         if optimizer is None:
-            return {"model": get_model_state_dict(model)}
-        model_state, optim_state = get_state_dict(model, optimizer)
-        return {"model": model_state, "optim": optim_state}
+            state = {"model": get_model_state_dict(stages.root, options=stages.options)}
+        else:
+            model_state, optim_state = get_state_dict(
+                stages.root, optimizer, options=stages.options
+            )
+            state = {"model": model_state, "optim": optim_state}
+    return stages.stored(state)
+
+
+@contextlib.contextmanager
+def _shard_access(stages: StageModules):
+    with contextlib.ExitStack() as stack:
+        for module in stages.modules:
+            stack.enter_context(shard_access(module))
+        yield
 
 
 def _rank_state_name(rank: int) -> str:
