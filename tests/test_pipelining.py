@@ -1,4 +1,5 @@
-"""zero3 stages under torch.distributed.pipelining, 4 gloo ranks as (pp 2, dp 2): torch's own
+"""zero3 stages under torch.distributed.pipelining, 4 gloo ranks as (pp 2, dp 2) (and 2 as
+(pp 2, dp 1)): torch's own
 schedules over torch's ``PipelineStage`` and over ``zero3_compile.parallel.PipelineStage``, each
 way of syncing gradients, equal to single-process eager training of the whole model."""
 
@@ -89,7 +90,7 @@ def pipeline(rank, world, schedule_name, sync, codegen=None):
         ScheduleInterleaved1F1B,
     )
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     reference = TinyLlama(CONFIG)
     n_stages = 4 if schedule_name == "interleaved" else 2
@@ -129,7 +130,7 @@ def pipeline(rank, world, schedule_name, sync, codegen=None):
     ref_params = dict(reference.named_parameters())
     out = {"grad_errors": [], "reductions": [], "param_error": 0.0}
     for step in range(2):
-        tokens, targets = llama_batch(2 * PER_RANK, CONFIG, seed=step)
+        tokens, targets = llama_batch(world // 2 * PER_RANK, CONFIG, seed=step)
         rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
         if sync.startswith("off"):
             for part in parts.values():
@@ -265,6 +266,27 @@ CASES += [("pipeline", "1f1b", "stage-kept", "eager"), ("pipeline", "gpipe", "st
 @functools.cache
 def results():
     return run_scenarios(_scenario, 4, CASES + [("refused",)], timeout=1500)
+
+
+# pp 2 x dp 1 (2 ranks): zero3 stages over a one-rank data-parallel group
+DP1 = [
+    ("pipeline", "1f1b", "torch"),
+    ("pipeline", "1f1b", "stage-kept"),
+    ("pipeline", "gpipe", "off-kept"),
+]
+
+
+@functools.cache
+def results_dp1():
+    return run_scenarios(_scenario, 2, DP1, timeout=900)
+
+
+@pytest.mark.parametrize("case", DP1, ids=lambda c: "-".join(str(x) for x in c[1:]))
+def test_pipelined_stages_over_a_one_rank_data_parallel_group_train_like_eager(case):
+    for r in results_dp1()[case]:
+        assert "refused" not in r
+        assert max(r["grad_errors"]) <= 1e-5, r["grad_errors"]
+        assert r["param_error"] <= 1e-5
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[1:]))
