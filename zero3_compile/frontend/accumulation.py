@@ -38,7 +38,8 @@ from ..offload.grads import spool
 from ..runtime.optimizers import watch_optimizers
 from ..sharding.spec import ShardSpec
 from ..sharding.state import ShardedParam, ShardState, module_state
-from .pending import close_window, open_window
+from .loading import sharded_states
+from .pending import apply_scalings, close_window, open_window
 
 
 def set_requires_gradient_sync(
@@ -66,7 +67,7 @@ def set_requires_gradient_sync(
     for param_state in states.values():
         if requires_gradient_sync:
             # in-place scalings of param.grad in the window apply to the pending gradient
-            param_state.pending_factor *= close_window(param_state)
+            param_state.pending_scalings += close_window(param_state)
             if param_state.state is ShardState.KEPT_GATHERED:
                 _release(param_state)
             param_state.transition(ShardState.SHARDED)
@@ -115,9 +116,9 @@ def _add_reduced(state: ShardedParam, pending: torch.Tensor) -> None:
         reduced = REDUCE_GRAD(
             pending, state.param_id, state.spec.literal(), list(local.shape), local.dtype
         )
-    if state.pending_factor != 1.0:  # scaled while pending (pending.py)
-        reduced.mul_(state.pending_factor)
-        state.pending_factor = 1.0
+    if state.pending_scalings:  # scaled while pending (pending.py)
+        apply_scalings(reduced, state.pending_scalings)
+        state.pending_scalings = []
     if state.spec.grads_offloaded:
         reduced = spool(state, reduced)
     param = state.param
@@ -155,16 +156,12 @@ def _flush(state: ShardedParam):
 def discard_pending(model: nn.Module) -> None:
     """Drop every gradient of ``model``'s sharded parameters, pending or reduced, and every kept
     parameter, without a collective (what a pipeline's metadata inference computed)."""
-    for module in model.modules():
-        state = module_state(module)
-        if state is None:
-            continue
-        for param_state in state.params.values():
-            close_window(param_state)
-            param_state.pending_factor = 1.0
-            if param_state.grad_sink is not None:
-                param_state.grad_sink.grad = None
-            if param_state.state is ShardState.KEPT_GATHERED:
-                param_state.kept_full = None
-            param_state.transition(ShardState.SHARDED)
-            param_state.param.grad = None
+    for param_state in sharded_states(model):
+        close_window(param_state)
+        param_state.pending_scalings = []
+        if param_state.grad_sink is not None:
+            param_state.grad_sink.grad = None
+        if param_state.state is ShardState.KEPT_GATHERED:
+            param_state.kept_full = None
+        param_state.transition(ShardState.SHARDED)
+        param_state.param.grad = None

@@ -30,7 +30,7 @@ class _Cell:
     def __init__(self, fqn: str, base: torch.Tensor | None):
         self.fqn = fqn
         self.base = base  # the local gradient param.grad held when the window opened
-        self.factor = 1.0
+        self.scalings: list[tuple[bool, float]] = []  # (divide, number), in the order asked
 
 
 class PendingGrad(torch.Tensor):
@@ -48,16 +48,17 @@ class PendingGrad(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"PendingGrad({self._cell.fqn!r}, shape={tuple(self.shape)}, factor={self._cell.factor})"
+        return f"PendingGrad({self._cell.fqn!r}, shape={tuple(self.shape)})"
 
     def _alias(self) -> PendingGrad:
         return PendingGrad(self._cell, self.shape, self.dtype, self.device)
 
-    def _scale(self, factor) -> None:
+    def _scale(self, divide: bool, number) -> None:
+        """Record ``div_(number)`` / ``mul_(number)``; apply it to what ``param.grad`` held."""
         cell = self._cell
-        cell.factor = cell.factor * _number(factor)
+        cell.scalings.append((divide, _number(number)))
         if cell.base is not None:
-            cell.base.mul_(factor)
+            apply_scalings(cell.base, cell.scalings[-1:])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -71,7 +72,7 @@ class PendingGrad(torch.Tensor):
             ):
                 return pending._alias()  # DTensor.from_local's view_as
             if func in _SCALE and _is_number(args[1]) and not kwargs:
-                pending._scale(1 / _number(args[1]) if func in _DIVIDE else args[1])
+                pending._scale(func in _DIVIDE, args[1])
                 return pending
             if func is aten.zero_.default:
                 if pending._cell.base is not None:
@@ -82,19 +83,19 @@ class PendingGrad(torch.Tensor):
             factors = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
             if not kwargs and all(_is_number(f) for f in factors):
                 for tensor, factor in zip(tensors, factors):
-                    value = 1 / _number(factor) if func in _DIVIDE else factor
                     if isinstance(tensor, PendingGrad):
-                        tensor._scale(value)
+                        tensor._scale(func in _DIVIDE, factor)
                     else:
-                        tensor.mul_(value)
+                        apply_scalings(tensor, [(func in _DIVIDE, _number(factor))])
                 return None
         names = sorted({a._cell.fqn for a in _flat(args, kwargs) if isinstance(a, PendingGrad)})
         raise RuntimeError(
             f"zero3: {func} reads the gradient of {', '.join(map(repr, names))}, which is pending "
             "unreduced while gradient sync is off (set_requires_gradient_sync(model, False)): "
-            "turn sync back on first (z3.set_requires_gradient_sync(model, True); for "
-            "torch.distributed.pipelining, or use zero3_compile.parallel.PipelineStage, which "
-            "syncs on each stage's last micro-batch). Only in-place scaling by a number "
+            "turn sync back on first (z3.set_requires_gradient_sync(model, True); with "
+            "torch.distributed.pipelining, use keep_gathered=True or "
+            "zero3_compile.parallel.PipelineStage, which syncs on each stage's last "
+            "micro-batch). Only in-place scaling by a number "
             "(p.grad.div_(n), as pipeline schedules do) is applied to a pending gradient"
         )
 
@@ -155,17 +156,23 @@ def open_window(state) -> None:
     param.grad = with_local(param, pending)
 
 
-def close_window(state) -> float:
-    """Put back the gradient ``param.grad`` held (scaled as it was asked to be); return the factor
-    the pending gradient is to be scaled by when reduced (1.0: none asked, or ``param.grad`` was
-    replaced or cleared meanwhile)."""
+def close_window(state) -> list[tuple[bool, float]]:
+    """Put back the gradient ``param.grad`` held (scaled as it was asked to be); return the
+    scalings the pending gradient is to get when reduced (none asked, or ``param.grad`` was
+    replaced or cleared meanwhile: [])."""
     param = state.param
     pending = _pending_of(param)
     if pending is None:
-        return 1.0
+        return []
     cell = pending._cell
     param.grad = None if cell.base is None else with_local(param, cell.base)
-    return cell.factor
+    return cell.scalings
+
+
+def apply_scalings(tensor: torch.Tensor, scalings: list[tuple[bool, float]]) -> None:
+    """The recorded in-place scalings on ``tensor``, the same operations in the same order."""
+    for divide, number in scalings:
+        tensor.div_(number) if divide else tensor.mul_(number)
 
 
 def _pending_of(param) -> PendingGrad | None:

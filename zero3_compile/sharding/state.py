@@ -84,8 +84,9 @@ class ShardedParam:
     kept_full: torch.Tensor | None = field(default=None, repr=False)
     # a tensor-parallel DTensor parameter: its TP layout (``sharding.layout``); None otherwise
     layout: Any = field(default=None, repr=False)
-    # what the gradient pending unreduced is scaled by when reduced (``frontend/pending.py``)
-    pending_factor: float = 1.0
+    # in-place scalings (divide, number) asked of param.grad while its gradient was pending
+    # unreduced, applied when it is reduced (``frontend/pending.py``)
+    pending_scalings: list = field(default_factory=list)
 
     @property
     def fqn(self) -> str:
