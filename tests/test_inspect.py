@@ -62,7 +62,22 @@ def _estimate_and_measure(rank, world_size, dump_dir):
     small = z3.shard(GPT(GPTConfig(n_layer=3, tie_embeddings=False)))
     compiled = torch.compile(small, backend="zero3", options={"codegen": "eager"})
     report = z3.explain(compiled, gpt_batch(2)[0])
+
+    # under a dispatch mode dynamo runs the model eagerly: explain says so, not an empty report
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with Passthrough():
+            z3.explain(compiled, gpt_batch(2)[0])
+        nothing_compiled = "no error"
+    except RuntimeError as error:
+        nothing_compiled = str(error)
     return {
+        "nothing_compiled": nothing_compiled,
         "text": str(report),
         "dict": report.to_dict(),
         "grads_untouched": all(p.grad is None for p in small.parameters()),
@@ -91,6 +106,12 @@ def test_estimated_peak_memory_and_communication_within_15_percent_of_a_real_run
         for kind, measured in r["measured_comm"].items():
             assert measured > 0
             assert abs(r["estimated_comm"][kind] - measured) <= 0.15 * measured, (kind, r)
+
+
+def test_explain_refuses_to_report_when_nothing_was_compiled(run):
+    for r in run[1]:
+        assert "explain compiled no graph" in r["nothing_compiled"], r["nothing_compiled"]
+        assert "TorchDispatchMode" in r["nothing_compiled"]
 
 
 def test_explain_reports_gathers_buckets_releases_and_saved_tensors(run):

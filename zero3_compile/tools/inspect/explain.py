@@ -113,6 +113,13 @@ def explain(
     finally:
         for param, grad in grads.items():
             param.grad = grad
+    if not records:
+        raise RuntimeError(
+            "zero3: explain compiled no graph: dynamo ran the model without compiling it (it "
+            "skips frames it failed on before, runs eagerly under an active TorchDispatchMode, "
+            "and past torch._dynamo.config.recompile_limit); call explain outside such a mode, "
+            "or torch._dynamo.reset() first"
+        )
     return ExplainReport([build_report(r) for r in records])
 
 
