@@ -23,7 +23,15 @@ from zero3_compile.compiler.node_keys import ROLE
 
 from .dist_utils import run_scenarios
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
-from .tp_models import TinyLlama, TinyLlamaConfig, apply_tp, llama_batch, llama_loss
+from .tp_models import (
+    SPLITS,
+    Part,
+    TinyLlama,
+    TinyLlamaConfig,
+    apply_tp,
+    llama_batch,
+    llama_loss,
+)
 from .training import full_optimizer_state, rel_diff
 
 # uneven everywhere: vocab 67 over tp 2 (34 / 33 rows), then over dp 2 (17 / 17 / 17 / 16)
@@ -230,6 +238,23 @@ def checkpoint_load_unsharded(rank, world, folder):
     return {"params": dict(model.state_dict()), "optim": full_optimizer_state(model, opt)}
 
 
+def checkpoint_load_pipelined(rank, world, folder):
+    """The checkpoint into two pipeline stages at (pp 2, dp 1, tp 2): each rank's stage module
+    tensor-parallel, sharded over its one-rank data-parallel group, loaded under the whole
+    model's names."""
+    torch.manual_seed(123)
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    part = Part(TinyLlama(UNEVEN), *SPLITS[2][mesh["pp"].get_local_rank()])
+    apply_tp(part, mesh["tp"])
+    z3.shard(part, mesh=mesh["dp"], sync_timeout_s=120)
+    with torch.no_grad():
+        for p in part.parameters():
+            p.to_local().normal_()
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-2)
+    z3.load_checkpoint(folder, [part], opt)
+    return {"params": z3.full_state_dict(part), "optim": full_optimizer_state(part, opt)}
+
+
 def checkpoint_load_fsdp2(rank, world, folder):
     """The checkpoint into FSDP2 + TP at (dp 2, tp 2): the same placements, torch's own code."""
     mesh = _mesh(2, 2)
@@ -328,19 +353,27 @@ def test_explain_and_dumps_under_tensor_parallelism():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_dcp_checkpoint_loads_at_other_dp_tp_shapes_unsharded_and_into_fsdp2():
+def test_dcp_checkpoint_loads_at_other_dp_tp_pp_shapes_unsharded_and_into_fsdp2():
+    """Saved at (dp 2, tp 2); loaded bit-exact at (4, 1), (1, 4), (2, 2), into the unsharded
+    model, into FSDP2 + TP and into pipeline stages at (pp 2, dp 1, tp 2)."""
     folder = tempfile.mkdtemp(prefix="z3-tp-ckpt-")
     try:
         cases = [("checkpoint_save", folder)]
         cases += [("checkpoint_load", folder, shape) for shape in ((4, 1), (1, 4), (2, 2))]
         cases += [("checkpoint_load_unsharded", folder), ("checkpoint_load_fsdp2", folder)]
+        cases += [("checkpoint_load_pipelined", folder)]
         out = run_scenarios(_scenario, 4, cases, timeout=900)
         saved = out[cases[0]][0]
         for case in cases[1:]:
-            for r in out[case]:
-                for key, value in saved["params"].items():
-                    assert torch.equal(r["params"][key], value), (case, key)
-                for key, value in saved["optim"].items():
-                    assert torch.equal(r["optim"][key], value), (case, key)
+            params, optim = {}, {}
+            for r in out[case]:  # a pipelined rank holds its stage's part
+                params.update(r["params"])
+                optim.update(r["optim"])
+            assert params.keys() == saved["params"].keys(), case
+            assert optim.keys() == saved["optim"].keys(), case
+            for key, value in saved["params"].items():
+                assert torch.equal(params[key], value), (case, key)
+            for key, value in saved["optim"].items():
+                assert torch.equal(optim[key], value), (case, key)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,8 +1,10 @@
-"""A small Llama for tensor parallelism (separate q/k/v projections, heads from the local width)
-and the tensor-parallel plans torchtitan applies to it (with and without sequence parallelism)."""
+"""A small Llama for tensor parallelism (separate q/k/v projections, heads from the local width),
+its pipeline stages, and the tensor-parallel plans torchtitan applies to it (with and without
+sequence parallelism)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +100,34 @@ class TinyLlama(nn.Module):
         return self.output(self.norm(x))
 
 
+class Part(nn.Module):
+    """A slice of TinyLlama: its embedding, some blocks, its head (each optional), under the
+    whole model's parameter names (blocks keyed by their index, as torchtitan cuts stages)."""
+
+    def __init__(self, model: TinyLlama, embed: bool, layers: list[int], head: bool):
+        super().__init__()
+        self.tok_embeddings = copy.deepcopy(model.tok_embeddings) if embed else None
+        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layers})
+        self.norm = copy.deepcopy(model.norm) if head else None
+        self.output = copy.deepcopy(model.output) if head else None
+
+    def forward(self, x):
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+# stage index -> (embed, layers, head); 2 stages (one per pp rank) or 4 (two per pp rank)
+SPLITS = {
+    2: [(True, [0], False), (False, [1], True)],
+    4: [(True, [], False), (False, [0], False), (False, [1], False), (False, [], True)],
+}
+
+
 def llama_loss(model: nn.Module, batch) -> torch.Tensor:
     tokens, targets = batch
     logits = model(tokens)
@@ -113,7 +143,7 @@ def llama_batch(global_batch: int, config: TinyLlamaConfig = TinyLlamaConfig(), 
     return tokens, targets
 
 
-def apply_tp(model: TinyLlama, tp_mesh, sequence_parallel: bool = True) -> TinyLlama:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> nn.Module:
     """torchtitan's Llama plan: colwise q/k/v/w1/w3, rowwise wo/w2; with sequence parallelism
     the norms run on sequence shards and the residual stream stays ``Shard(1)``."""
     from torch.distributed.tensor import Replicate, Shard
@@ -132,8 +162,11 @@ def apply_tp(model: TinyLlama, tp_mesh, sequence_parallel: bool = True) -> TinyL
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
+    # a pipeline stage (Part) may lack the embedding or the head
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
-    for block in model.layers:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
         plan = {
             "attention": PrepareModuleInput(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),)

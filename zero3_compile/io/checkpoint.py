@@ -100,7 +100,9 @@ def save_checkpoint(
     ``model`` may be a list: the pipeline stage modules this rank runs, holding their parameters
     under the whole model's names (stages cut from the model with its module names kept, as
     torchtitan does); the checkpoint then holds the whole model, and loads at another pipeline,
-    data- or tensor-parallel degree, or into the unsharded model.
+    data- or tensor-parallel degree, or into the unsharded model. The optimizer state is stored
+    per parameter (torchtitan's layout), so a checkpoint of the whole model loads into pipeline
+    stages as well.
 
     The checkpoint is written to ``path.tmp-<id>`` first and sealed with a manifest of every
     file's size and sha256; once every rank has finished, rank 0 renames it to ``path`` (moving the
@@ -110,7 +112,8 @@ def save_checkpoint(
     """
     path = os.fspath(path)
     call = _next_call("save")
-    state = _state(StageModules(model), optimizer, for_save=True)
+    # optimizer state per parameter (stages.py): loads into any cut of the model into stages
+    state = _state(StageModules(model, flatten=True), optimizer, for_save=True)
     if extra:
         state["extra"] = dict(extra)
     rank, world = dist.get_rank(), dist.get_world_size()

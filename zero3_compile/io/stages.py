@@ -5,10 +5,12 @@ model's module names kept (torchtitan's way: ``layers.3`` stays ``layers.3``). A
 from every rank's stages then holds the whole model under its own names, so it loads at another
 number of stages, data- or tensor-parallel degree, or into the unsharded model. torch's
 state-dict helpers take one module: the stages go under a transient root (``0.``, ``1.``, ...
-prefixes) and the prefixes are taken off the keys the checkpoint stores. The optimizer state is
-stored flattened (one entry per parameter and key, ``StateDictOptions(flatten_optimizer_state_dict
-=True)``) so that each rank loads the entries of the parameters it holds; such a checkpoint is
-recognised on load by its keys, whatever the model passed then.
+prefixes) and the prefixes are taken off the keys the checkpoint stores. ``save_checkpoint``
+stores the optimizer state flattened (one entry per parameter and key, torchtitan's
+``StateDictOptions(flatten_optimizer_state_dict=True)``), for one module too, so that each rank
+loads the entries of the parameters it holds, whichever stages it runs; the layout is recognised
+on load by the checkpoint's keys (a checkpoint stored by parameter group, as plain DCP does,
+loads into one module).
 """
 
 from __future__ import annotations
