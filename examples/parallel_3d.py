@@ -29,10 +29,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 import zero3_compile as z3
-from zero3_compile.parallel import PipelineStage
+from zero3_compile.parallel import PipelineStage, clip_grad_norm_
 
 VOCAB, SEQ, DIM, HEADS, HIDDEN, LAYERS = 128, 16, 64, 4, 128, 4
 MICRO_BATCHES, BATCH_PER_DP_RANK, STEPS = 4, 8, 3
+MAX_NORM = 0.5  # below the gradients' norm: every step clips
 
 
 class RMSNorm(nn.Module):
@@ -164,10 +165,13 @@ def main() -> None:
             schedule.step(tokens[rows])
         else:
             schedule.step(target=targets[rows])
+        # the norm of both stages' gradients: torch's clip_grad_norm_ would see one stage's
+        norm = clip_grad_norm_(stage_module.parameters(), MAX_NORM, pp_group=mesh["pp"].get_group())
         opt.step()
         opt.zero_grad()
         loss = loss_fn(reference(tokens), targets)
         loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
         apart = 0.0
@@ -180,8 +184,8 @@ def main() -> None:
             )
         if dp_rank == 0 and mesh["tp"].get_local_rank() == 0:
             print(
-                f"step {step}: stage {pp_rank}, eager loss {loss.item():.4f}, "
-                f"max |param - eager| {apart:.2e}",
+                f"step {step}: stage {pp_rank}, eager loss {loss.item():.4f}, grad norm "
+                f"{norm.item():.6f} (eager {ref_norm.item():.6f}), max |param - eager| {apart:.2e}",
                 flush=True,
             )
     dist.barrier()

@@ -5,7 +5,7 @@ way of syncing gradients, equal to single-process eager training of the whole mo
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import functools
 import os
 import shutil
@@ -19,43 +19,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero3_compile as z3
+from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.parallel import PipelineStage as Zero3Stage
+from zero3_compile.parallel import clip_grad_norm_
 
 from .dist_utils import run_scenarios
-from .tp_models import TinyLlama, TinyLlamaConfig, llama_batch
+from .tp_models import SPLITS, Part, TinyLlama, TinyLlamaConfig, llama_batch
 from .training import full_optimizer_state, rel_diff
 
 CONFIG = TinyLlamaConfig(n_layers=2)
 N_MICRO = 4
 PER_RANK = 4  # a data-parallel rank's batch: N_MICRO micro-batches of one sequence
-
-
-class Part(nn.Module):
-    """A slice of TinyLlama: its embedding, some blocks, its head (each optional), under the
-    whole model's parameter names (blocks keyed by their index, as torchtitan cuts stages)."""
-
-    def __init__(self, model: TinyLlama, embed: bool, layers: list[int], head: bool):
-        super().__init__()
-        self.tok_embeddings = copy.deepcopy(model.tok_embeddings) if embed else None
-        self.layers = nn.ModuleDict({str(i): copy.deepcopy(model.layers[i]) for i in layers})
-        self.norm = copy.deepcopy(model.norm) if head else None
-        self.output = copy.deepcopy(model.output) if head else None
-
-    def forward(self, x):
-        if self.tok_embeddings is not None:
-            x = self.tok_embeddings(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.output is not None:
-            x = self.output(self.norm(x))
-        return x
-
-
-# stage index -> (embed, layers, head); 2 stages (one per pp rank) or 4 (two per pp rank)
-SPLITS = {
-    2: [(True, [0], False), (False, [1], True)],
-    4: [(True, [], False), (False, [0], False), (False, [1], False), (False, [], True)],
-}
 
 
 def _loss(logits, targets):
@@ -76,12 +50,14 @@ class CountReductions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def pipeline(rank, world, schedule_name, sync, codegen=None):
+def pipeline(rank, world, schedule_name, sync, codegen=None, clip=None):
     """Two steps of ``schedule_name`` over zero3 stages.
 
     sync: "torch" (torch's stage, which syncs each micro-batch), "off" / "off-kept" (torch's stage
     with set_requires_gradient_sync(False[, keep_gathered=True]) around step(), sync turned on
     after it: the accumulation recipe), "stage" / "stage-kept" (zero3's PipelineStage).
+    clip: a norm type: gradients clipped by the whole model's norm (zero3_compile.parallel's
+    clip_grad_norm_ over the pp group) against torch's clip_grad_norm_ of the eager model.
     """
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import (
@@ -129,46 +105,79 @@ def pipeline(rank, world, schedule_name, sync, codegen=None):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     ref_params = dict(reference.named_parameters())
     out = {"grad_errors": [], "reductions": [], "param_error": 0.0}
-    for step in range(2):
-        tokens, targets = llama_batch(world // 2 * PER_RANK, CONFIG, seed=step)
-        rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
-        if sync.startswith("off"):
-            for part in parts.values():
-                z3.set_requires_gradient_sync(part, False, keep_gathered=sync == "off-kept")
-        with CountReductions() as counter:
-            if pp == 0:
-                schedule.step(tokens[rows])
-            else:
-                schedule.step(target=targets[rows])
+    graphs = record_graphs() if codegen is not None else contextlib.nullcontext([])
+    with graphs as compiled:
+        for step in range(2):
+            tokens, targets = llama_batch(world // 2 * PER_RANK, CONFIG, seed=step)
+            rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
             if sync.startswith("off"):
                 for part in parts.values():
-                    z3.set_requires_gradient_sync(part, True)
-        out["reductions"].append(counter.count)
-        _loss(reference(tokens), targets).backward()
-        errors = []
-        for part in parts.values():
-            for name, param in part.named_parameters():
-                want = ref_params[name].grad
-                if param.grad is None:
-                    out.setdefault("missing", []).append(name)
-                    errors.append(float("inf"))
+                    z3.set_requires_gradient_sync(part, False, keep_gathered=sync == "off-kept")
+            # dynamo does not compile under a dispatch mode: compiled cases count from explain
+            with CountReductions() if codegen is None else contextlib.nullcontext() as counter:
+                if pp == 0:
+                    schedule.step(tokens[rows])
                 else:
-                    errors.append(rel_diff(param.grad.full_tensor(), want))
-        out["grad_errors"].append(max(errors))
-        try:
-            opt.step()
-        except RuntimeError as error:  # the recipe without keep_gathered: nothing reduced it
-            out["refused"] = str(error)
-            return out
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+                    schedule.step(target=targets[rows])
+                if sync.startswith("off"):
+                    for part in parts.values():
+                        z3.set_requires_gradient_sync(part, True)
+            out["reductions"].append(counter.count if codegen is None else None)
+            _loss(reference(tokens), targets).backward()
+            if clip is not None:
+                norm = clip_grad_norm_(params, 0.05, clip, pp_group=mesh["pp"].get_group())
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, clip)
+                out.setdefault("norms", []).append((float(norm), float(ref_norm)))
+            errors = []
+            for part in parts.values():
+                for name, param in part.named_parameters():
+                    want = ref_params[name].grad
+                    if param.grad is None:
+                        out.setdefault("missing", []).append(name)
+                        errors.append(float("inf"))
+                    else:
+                        errors.append(rel_diff(param.grad.full_tensor(), want))
+            out["grad_errors"].append(max(errors))
+            try:
+                opt.step()
+            except RuntimeError as error:  # the recipe without keep_gathered: nothing reduced it
+                out["refused"] = str(error)
+                return out
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    out["compiled_graphs"] = len(compiled)
     for part in parts.values():
         for name, param in part.named_parameters():
             want = ref_params[name]
             out["param_error"] = max(out["param_error"], rel_diff(param.full_tensor(), want))
     out["n_params"] = len(params)
+    if codegen is not None:
+        out["explained"] = [_explained(part, index) for index, part in parts.items()]
     return out
+
+
+def _explained(part, index):
+    """What ``explain`` reports for one compiled stage: the parameters each graph gathers and
+    reduces, and its collectives (count, bytes)."""
+    if index == 0:
+        example = llama_batch(1, CONFIG)[0]
+    else:
+        example = torch.randn(1, CONFIG.seq, CONFIG.dim, requires_grad=True)
+    report = z3.explain(part, example, options={"codegen": "eager"})
+    return {
+        "names": sorted(n for n, _ in part.named_parameters()),
+        "numel": sum(p.numel() for p in part.parameters()),
+        "graphs": [
+            {
+                "kind": g.kind,
+                "gathered": sorted(n for info in g.gathers for n in info.params),
+                "reduced": sorted(n for info in g.reductions for n in info.params),
+                "collectives": g.collectives,
+            }
+            for g in report.graphs
+        ],
+    }
 
 
 def _one_step(parts, stages, schedule_name, pp, dp):
@@ -236,20 +245,33 @@ def pp_load(rank, world, folder, layout):
 
 
 def refused(rank, world):
-    """zero3's stage refuses a backward split into input and weight parts (what ZeroBubble and
-    DualPipeV schedules ask of a stage) before computing anything."""
+    """zero3's stage refuses the schedules that split backward into input and weight parts, at
+    the start of step() on every rank (none is left waiting in a receive)."""
+    from torch.distributed import pipelining
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp = mesh["pp"].get_local_rank()
-    part = Part(TinyLlama(CONFIG), *SPLITS[2][pp])
-    z3.shard(part, mesh=mesh["dp"], sync_timeout_s=120)
-    stage = Zero3Stage(part, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    messages = []
-    for kind in ("input", "weight"):
+    reference = TinyLlama(CONFIG)
+    messages = {}
+    for name, v_shape in (
+        ("ScheduleInterleavedZeroBubble", False),
+        ("ScheduleZBVZeroBubble", True),
+        ("ScheduleDualPipeV", True),
+    ):
+        own = [pp, 3 - pp] if v_shape else [pp, pp + 2]
+        stages = []
+        for index in own:
+            part = Part(reference, *SPLITS[4][index])
+            z3.shard(part, mesh=mesh["dp"], sync_timeout_s=120)
+            group = mesh["pp"].get_group()
+            stages.append(Zero3Stage(part, index, 4, torch.device("cpu"), group=group))
+        schedule = getattr(pipelining, name)(stages, N_MICRO, loss_fn=_loss)
+        tokens, targets = llama_batch(PER_RANK, CONFIG, seed=0)
         try:
-            stage.backward_maybe_with_nosync(kind, {}, last_backward=False)
-            messages.append("no error")
+            schedule.step(tokens) if pp == 0 else schedule.step(target=targets)
+            messages[name] = "no error"
         except NotImplementedError as error:
-            messages.append(str(error))
+            messages[name] = str(error)
     return messages
 
 
@@ -261,11 +283,12 @@ def _scenario(rank, world, name, *args):
 SYNCS = ["torch", "off", "off-kept", "stage", "stage-kept"]
 CASES = [("pipeline", s, sync) for s in ("gpipe", "1f1b", "interleaved") for sync in SYNCS]
 CASES += [("pipeline", "1f1b", "stage-kept", "eager"), ("pipeline", "gpipe", "stage", "eager")]
+CLIPPED = [("pipeline", "interleaved", "stage", None, norm) for norm in (2.0, float("inf"))]
 
 
 @functools.cache
 def results():
-    return run_scenarios(_scenario, 4, CASES + [("refused",)], timeout=1500)
+    return run_scenarios(_scenario, 4, CASES + CLIPPED + [("refused",)], timeout=1500)
 
 
 # pp 2 x dp 1 (2 ranks): zero3 stages over a one-rank data-parallel group
@@ -303,6 +326,30 @@ def test_pipelined_zero3_stages_train_like_eager(case):
         assert "refused" not in r, r["refused"]
         assert max(r["grad_errors"]) <= tol, r["grad_errors"]
         assert r["param_error"] <= tol, r["param_error"]
+        if len(case) > 3:  # compiled: graphs were compiled, and explain tells their collectives
+            assert r["compiled_graphs"] >= 2, r["compiled_graphs"]
+            for stage in r["explained"]:
+                by_kind = {g["kind"]: g for g in stage["graphs"]}
+                forward, backward = by_kind["forward"], by_kind["backward"]
+                assert forward["gathered"] == stage["names"]  # each parameter gathered once
+                assert backward["reduced"] == stage["names"]  # and reduced once
+                assert not forward["reduced"]
+                assert forward["collectives"]["all_gather"]["bytes"] >= 4 * stage["numel"]
+                reduced = backward["collectives"]["reduce_scatter"]
+                assert reduced["bytes"] >= 4 * stage["numel"], reduced
+
+
+@pytest.mark.parametrize("case", CLIPPED, ids=lambda c: f"norm-{c[-1]}")
+def test_clipping_by_the_norm_of_every_stage_equals_eager(case):
+    """Each rank holds two of four stages: the norm combines all of them, on every rank, and the
+    clipped gradients equal eager's (torch's clip_grad_norm_ would see one rank's stages)."""
+    for r in results()[case]:
+        assert "refused" not in r, r["refused"]
+        for ours, eager in r["norms"]:
+            assert eager > 0.05, r["norms"]  # clipping is active
+            assert abs(ours - eager) <= 1e-5 * eager, r["norms"]
+        assert max(r["grad_errors"]) <= 1e-5, r["grad_errors"]
+        assert r["param_error"] <= 1e-5
 
 
 def test_zero3_stage_reduces_once_per_step_not_per_micro_batch():
@@ -319,13 +366,15 @@ def test_zero3_stage_reduces_once_per_step_not_per_micro_batch():
 
 def test_split_backward_schedules_are_refused_with_the_fix():
     for messages in results()[("refused",)]:
-        for message in messages:
+        assert len(messages) == 3, messages
+        for message in messages.values():
             assert "Schedule1F1B" in message and "ZeroBubble" in message, message
 
 
 def test_the_3d_example_trains_like_eager():
-    """examples/parallel_3d.py (pipeline x zero3 x tensor + sequence parallel, compiled) on 4
-    ranks as (pp 2, dp 1, tp 2): every step's parameters equal the unsharded model's."""
+    """examples/parallel_3d.py (pipeline x zero3 x tensor + sequence parallel, compiled, clipped
+    by the norm of both stages' gradients) on 8 ranks as (pp 2, dp 2, tp 2): every step's
+    gradient norm and parameters equal the unsharded model's."""
     import re
     import subprocess
     import sys
@@ -333,11 +382,15 @@ def test_the_3d_example_trains_like_eager():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "4", os.path.join(root, "examples", "parallel_3d.py")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    command += ["--nproc-per-node", "8", os.path.join(root, "examples", "parallel_3d.py")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    norms = re.findall(r"grad norm (\S+) \(eager (\S+)\)", done.stdout)
     apart = [float(x) for x in re.findall(r"max \|param - eager\| (\S+)", done.stdout)]
-    assert len(apart) == 6, done.stdout  # 3 steps, 2 stages
+    assert len(apart) == len(norms) == 6, done.stdout  # 3 steps, 2 stages
+    for ours, eager in norms:
+        assert float(eager) > 0.5  # the example's max_norm: clipping is active
+        assert abs(float(ours) - float(eager)) <= 1e-5 * float(eager), done.stdout
     assert max(apart) <= 1e-5, done.stdout
 
 

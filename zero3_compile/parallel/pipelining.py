@@ -16,10 +16,13 @@ torch's does for FSDP2:
 
 Schedules that split backward into input and weight parts (ZeroBubble, DualPipeV) compute weight
 gradients with ``torch.autograd.grad`` outside zero3's reduction: refused with an error naming
-the schedules that work.
+the schedules that work, at the start of ``step()`` on every rank (the schedule's action table is
+the same on all of them), so no rank is left waiting in a receive for a stage that refused.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -49,14 +52,17 @@ class PipelineStage(_TorchPipelineStage):
             set_requires_gradient_sync(model, True)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    def clear_runtime_states(self) -> None:
+        # The schedule calls this on each of its stages at the start of step(), before any
+        # send or receive: the one point every rank passes with the schedule in hand.
+        caller = sys._getframe(1).f_locals.get("self")
+        if _splits_backward(getattr(caller, "pipeline_order", None)):
+            raise NotImplementedError(_SPLIT_BACKWARD)
+        super().clear_runtime_states()
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
-        if backward_type != "full":
-            raise NotImplementedError(
-                "zero3: this pipeline schedule splits backward into input and weight parts "
-                "(ZeroBubble, DualPipeV), which compute weight gradients outside zero3's "
-                "reduction; use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or "
-                "ScheduleLoopedBFS"
-            )
+        if backward_type != "full":  # a schedule this stage did not see at step()'s start
+            raise NotImplementedError(_SPLIT_BACKWARD)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
@@ -71,6 +77,31 @@ class PipelineStage(_TorchPipelineStage):
     def _post_metadata_inference_cleanup(self) -> None:
         super()._post_metadata_inference_cleanup()
         discard_pending(self._zero3_model)
+
+
+_SPLIT_BACKWARD = (
+    "zero3: this pipeline schedule splits backward into input and weight parts "
+    "(ZeroBubble, DualPipeV), which compute weight gradients outside zero3's "
+    "reduction; use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or "
+    "ScheduleLoopedBFS"
+)
+
+
+def _splits_backward(pipeline_order) -> bool:
+    """Whether a schedule's action table (rank -> actions) has input- or weight-only backwards,
+    alone or inside an overlapped forward-backward."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    split = {_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT}
+    if not isinstance(pipeline_order, dict):
+        return False
+    pending = [a for actions in pipeline_order.values() for a in actions or () if a is not None]
+    while pending:
+        action = pending.pop()
+        if action.computation_type in split:
+            return True
+        pending.extend(getattr(action, "sub_actions", None) or ())
+    return False
 
 
 def _sharded_root(submodule: nn.Module) -> nn.Module:
