@@ -27,7 +27,9 @@ ALL_REDUCE = funcol.all_reduce.default
 # Inductor's re-inplacing turns all_reduce into all_reduce_ in the graphs it compiles
 ALL_REDUCE_INPLACE = funcol.all_reduce_.default
 WAIT = funcol.wait_tensor.default
-COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_REDUCE_INPLACE)
+# compressed gradient reductions (ZeRO++'s qgZ): each rank's quantized rows to their owner
+ALL_TO_ALL = funcol.all_to_all_single.default
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_REDUCE_INPLACE, ALL_TO_ALL)
 
 
 # ``torch._ops.OpOverload``: the type of ATen / custom op overloads in FX graphs (private module,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import arithmetic
+from . import arithmetic, quantize
 
 
 @torch.library.custom_op("zero3::gather_copy_in", mutates_args=())
@@ -59,3 +59,33 @@ GATHER_COPY_IN = torch.ops.zero3.gather_copy_in.default
 GATHER_COPY_OUT = torch.ops.zero3.gather_copy_out.default
 REDUCE_COPY_IN = torch.ops.zero3.reduce_copy_in.default
 REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default
+
+
+# Quantization (compressed collectives, ``quantize.py``): fixed operations in every graph, fused
+# or not; Inductor's CPU code for a bitcast of the scales' bytes next to a bf16 cast was seen to
+# give NaNs (torch 2.13), and the eager body is the one the tests check.
+@torch.library.custom_op("zero3::quantize_rows", mutates_args=())
+def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    return quantize.quantize_rows(rows, block, bits)
+
+
+@quantize_rows.register_fake
+def _quantize_rows_fake(rows, block, bits):
+    size = quantize.payload_bytes(rows.shape[1], block, bits)
+    return rows.new_empty((rows.shape[0], size), dtype=torch.uint8)
+
+
+@torch.library.custom_op("zero3::dequantize_rows", mutates_args=())
+def dequantize_rows(
+    payloads: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return quantize.dequantize_rows(payloads, numel, block, bits, dtype)
+
+
+@dequantize_rows.register_fake
+def _dequantize_rows_fake(payloads, numel, block, bits, dtype):
+    return payloads.new_empty((payloads.shape[0], numel), dtype=dtype)
+
+
+QUANTIZE_ROWS = torch.ops.zero3.quantize_rows.default
+DEQUANTIZE_ROWS = torch.ops.zero3.dequantize_rows.default

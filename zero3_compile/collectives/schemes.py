@@ -14,10 +14,14 @@ step's role, and place each step where the schedule wants it (issues early, wait
 cast, copy-in, collective, copy-out and division exist once, for both.
 
 - ``AllGather``: padded shards all-gathered over the shard group.
+- ``QuantizedAllGather`` (ZeRO++'s qwZ): the bucket travels as blockwise integers and their
+  scales (``quantize.py``), quantized after the copy-in, dequantized before the copy-out.
 - ``LocalCast``: one rank: the shard is the parameter, cast to the compute dtype.
 - ``ReduceScatter``: a sum reduce-scatter over the shard group, then the division by N;
   ``HybridReduce`` adds a sum all-reduce of the reduced shards over the replicate group (hybrid
   sharding: the mean over every rank of the mesh).
+- ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized, sent
+  to their owners with one all-to-all, dequantized and summed there (in the reduction dtype).
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
 - ``LocalReduce``: one rank: only the dtype and the shape change.
 
@@ -37,10 +41,12 @@ import torch
 
 from ..compat import ALL_GATHER as ALL_GATHER_OP
 from ..compat import ALL_REDUCE as ALL_REDUCE_OP
+from ..compat import ALL_TO_ALL as ALL_TO_ALL_OP
 from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
+from .quantize import Quantization
 
 
 class Emit:
@@ -72,9 +78,10 @@ def _fixed(emit: Emit, traced_copies: bool) -> bool:
 
 @dataclass(frozen=True)
 class GatherScheme:
-    dtype: torch.dtype  # on the wire and of the full parameters
+    dtype: torch.dtype  # on the wire (unless compressed) and of the full parameters
 
     communicates: ClassVar[bool] = True
+    compresses: ClassVar[bool] = False  # the payload is smaller than the values it carries
 
     def key(self) -> tuple:
         return (type(self).__name__, self.dtype)
@@ -135,6 +142,39 @@ class AllGather(GatherScheme):
 
 
 @dataclass(frozen=True)
+class QuantizedAllGather(AllGather):
+    """qwZ: the bucket's flat shard (this rank's ``bucket_numel`` elements) quantized into one
+    ``uint8`` payload, all-gathered, and each rank's row dequantized into the gather dtype."""
+
+    quantization: Quantization = Quantization(8, 256)
+    compresses: ClassVar[bool] = True
+
+    def key(self) -> tuple:
+        return (*super().key(), self.quantization)
+
+    def copy_in(self, emit, shards, specs):
+        (flat,) = super().copy_in(emit, shards, specs)
+        block, bits = self.quantization.block, self.quantization.bits
+
+        def payload(flat):
+            return copy_ops.QUANTIZE_ROWS(flat.view(1, -1), block, bits).view(-1)
+
+        return [emit.traced(roles.GATHER_COPY_IN, payload, [flat])]
+
+    def copy_out(self, emit, waited, specs):
+        (gathered,) = waited  # (world * payload_bytes,) uint8
+        numel, world, dtype = sum(arithmetic.sizes(specs)), self.world_size, self.dtype
+        block, bits = self.quantization.block, self.quantization.bits
+
+        def values(gathered):  # (world * bucket_numel,): what an all-gather would have given
+            rows = gathered.view(world, -1)
+            return copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype).view(-1)
+
+        flat = emit.traced(roles.GATHER_COPY_OUT, values, [gathered])
+        return super().copy_out(emit, [flat], specs)
+
+
+@dataclass(frozen=True)
 class LocalCast(GatherScheme):
     """One rank: the shard is the full parameter; only the dtype may change."""
 
@@ -157,11 +197,17 @@ class LocalCast(GatherScheme):
 
 
 def gather_scheme(
-    spec: ShardSpec, shard_dtype: torch.dtype, *, traced_copies: bool = False
+    spec: ShardSpec,
+    shard_dtype: torch.dtype,
+    *,
+    traced_copies: bool = False,
+    quantization: Quantization | None = None,
 ) -> GatherScheme:
     dtype = spec.gather_dtype(shard_dtype)
     if spec.world_size == 1:
         return LocalCast(dtype)
+    if quantization is not None and dtype.is_floating_point:
+        return QuantizedAllGather(dtype, spec.group, spec.world_size, traced_copies, quantization)
     return AllGather(dtype, spec.group, spec.world_size, traced_copies)
 
 
@@ -183,6 +229,7 @@ class ReduceScheme:
     # (issue role, wait role) of each stage; a stage's collectives are waited before the next
     # stage issues
     stage_roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+    compresses: ClassVar[bool] = False  # the payload is smaller than the values it carries
 
     def key(self) -> tuple:
         return (type(self).__name__, self.dtype, self.shard_dtype, self.traced_copies)
@@ -291,6 +338,49 @@ class ReduceScatter(ReduceScheme):
 
 
 @dataclass(frozen=True)
+class QuantizedReduceScatter(ReduceScatter):
+    """qgZ: the bucket's ``(world, bucket_numel)`` rows (row r: what rank r keeps) quantized row
+    by row, exchanged with one all-to-all (rank r receives every rank's row r), then dequantized
+    and summed in the reduction dtype; the copy-out divides by N as a reduce-scatter's does."""
+
+    quantization: Quantization = Quantization(8, 256)
+    compresses: ClassVar[bool] = True
+
+    def key(self) -> tuple:
+        return (*super().key(), self.quantization)
+
+    def copy_in(self, emit, grads, specs):
+        (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
+        world, block, bits = self.world_size, self.quantization.block, self.quantization.bits
+
+        def payload(flat):
+            return copy_ops.QUANTIZE_ROWS(flat.view(world, -1), block, bits).view(-1)
+
+        return [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
+
+    def issue(self, emit, stage, payloads):
+        (payload,) = payloads  # (world * payload_bytes,) uint8
+        value = payload.meta["val"] if emit.in_graph else payload
+        rows = [value.shape[0] // self.world_size] * self.world_size  # bytes to and from each
+        work = emit.collective(
+            roles.REDUCE_SCATTER, roles.GROUP_SHARD, ALL_TO_ALL_OP, payload, rows, rows, self.group
+        )
+        return [work]
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        (received,) = reduced  # (world * payload_bytes,): every rank's quantized row of ours
+        numel, world, dtype = sum(arithmetic.sizes(specs)), self.world_size, self.dtype
+        block, bits = self.quantization.block, self.quantization.bits
+
+        def summed(received):
+            rows = copy_ops.DEQUANTIZE_ROWS(received.view(world, -1), numel, block, bits, dtype)
+            return rows.sum(dim=0)  # (bucket_numel,)
+
+        flat = emit.traced(roles.REDUCE_COPY_OUT, summed, [received])
+        return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
+
+
+@dataclass(frozen=True)
 class HybridReduce(ReduceScatter):
     """Reduce-scatter within the row, then the reduced shards summed across the replicas."""
 
@@ -386,8 +476,23 @@ def reduce_scheme(
     shard_dtype: torch.dtype,
     *,
     traced_copies: bool = False,
+    quantization: Quantization | None = None,
 ) -> ReduceScheme:
     dtype = spec.reduce_dtype or grad_dtype
+    if quantization is not None and spec.world_size > 1:
+        if spec.replicate_size > 1:
+            raise NotImplementedError(
+                "zero3: option gradient_quantization is not implemented for hybrid sharding "
+                "(a (replicate, shard) mesh) yet; set gradient_quantization=None there"
+            )
+        return QuantizedReduceScatter(
+            dtype,
+            shard_dtype,
+            traced_copies,
+            group=spec.group,
+            world_size=spec.world_size,
+            quantization=quantization,
+        )
     if spec.world_size == 1 and spec.replicate_size == 1:
         return LocalReduce(dtype, shard_dtype)
     if spec.world_size == 1:

@@ -35,6 +35,8 @@ class BucketRecord:
     nodes: dict[str, list[str]] = field(default_factory=dict)  # role -> node names, in order
     collectives: list[str] = field(default_factory=list)  # every collective, in issue order
     waits: list[str] = field(default_factory=list)  # every wait, in order
+    # bytes the bucket's collective would carry uncompressed (None: it is not compressed)
+    full_bytes: int | None = None
 
     def resolve(self, nodes: dict[str, fx.Node], names: Sequence[str]) -> list[fx.Node]:
         """The nodes of ``names`` (``nodes``: ``name_map(graph)``), skipping removed ones."""

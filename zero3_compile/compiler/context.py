@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..collectives.quantize import Quantization
 from .options import Options
 
 GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
@@ -35,6 +36,17 @@ class PassContext:
     graph_kind: str = "forward"
     block_of: Callable[[str], str] = block_of
     graph_id: str = ""
+
+    def gather_quantization(self) -> Quantization | None:
+        """How this graph's all-gathers are compressed: ``weight_quantization`` applies to the
+        forward's (and inference's); backward re-gathers in full precision."""
+        if self.graph_kind not in ("forward", "inference"):
+            return None
+        return Quantization.of(self.options.weight_quantization, self.options.quantization_block)
+
+    def reduce_quantization(self) -> Quantization | None:
+        """How this graph's gradient reductions are compressed (``gradient_quantization``)."""
+        return Quantization.of(self.options.gradient_quantization, self.options.quantization_block)
 
     def for_graph(self, graph_kind: str, graph_id: str = "") -> PassContext:
         if graph_kind not in GRAPH_KINDS:

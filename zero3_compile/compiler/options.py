@@ -57,6 +57,13 @@ class Options:
         the device's free memory at compile time.
     optimizer_states: tensors of optimizer state per trainable parameter the budget accounts
         for (2 for Adam/AdamW, 1 for SGD with momentum, 0 when it is offloaded).
+    weight_quantization: "int8" sends the forward's all-gathers as blockwise int8 and their
+        float32 scales (ZeRO++'s qwZ: about a quarter of fp32's bytes, half of bf16's); the
+        backward's re-gathers stay in full precision. None (default): off.
+    gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
+        exchanged with one all-to-all and summed in the reduction dtype by their owner (ZeRO++'s
+        qgZ), instead of a reduce-scatter. None (default): off. Not with hybrid sharding yet.
+    quantization_block: elements per float32 scale of both (a multiple of 8; default 256).
     """
 
     codegen: str = "inductor"
@@ -73,6 +80,9 @@ class Options:
     dump_dir: str | None = None
     memory_budget_mb: float | str | None = None
     optimizer_states: int = 2
+    weight_quantization: str | None = None
+    gradient_quantization: str | None = None
+    quantization_block: int = 256
 
     @property
     def bucket_bytes(self) -> int:
@@ -164,6 +174,22 @@ class Options:
         ):
             raise ValueError(
                 f"zero3: option optimizer_states must be an int >= 0, got {self.optimizer_states!r}"
+            )
+        if self.weight_quantization not in (None, "int8"):
+            raise ValueError(
+                "zero3: option weight_quantization must be 'int8' or None, got "
+                f"{self.weight_quantization!r}"
+            )
+        if self.gradient_quantization not in (None, "int8", "int4"):
+            raise ValueError(
+                "zero3: option gradient_quantization must be 'int8', 'int4' or None, got "
+                f"{self.gradient_quantization!r}"
+            )
+        block = self.quantization_block
+        if not (isinstance(block, int) and not isinstance(block, bool) and block > 0) or block % 8:
+            raise ValueError(
+                "zero3: option quantization_block must be a positive multiple of 8 (int4 packs "
+                f"two per byte and each row's scales stay 4-byte aligned), got {block!r}"
             )
         if self.sync_timeout_s is not None and not (
             _number(self.sync_timeout_s) and self.sync_timeout_s > 0

@@ -10,7 +10,15 @@ import re
 
 import torch.fx as fx
 
-from ..compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, COLLECTIVES, REDUCE_SCATTER, WAIT
+from ..compat import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_REDUCE_INPLACE,
+    ALL_TO_ALL,
+    COLLECTIVES,
+    REDUCE_SCATTER,
+    WAIT,
+)
 from ..sharding.layout import foreign_group_role
 from .node_keys import GROUP_ROLE, PARAMS
 
@@ -34,6 +42,8 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
             kind, world, group = "all_gather", node.args[1], node.args[2]
         elif node.target is REDUCE_SCATTER:
             kind, world, group = f"reduce_scatter_{node.args[1]}", node.args[2], node.args[3]
+        elif node.target is ALL_TO_ALL:
+            kind, world, group = "all_to_all", len(node.args[1]), node.args[3]
         else:
             group = node.args[2]
             kind, world = f"all_reduce_{node.args[1]}", _group_size(group)
@@ -82,7 +92,7 @@ def describe_signature(signature: list[tuple], graph: fx.Graph | None = None) ->
         names = [
             name
             for node in graph.nodes
-            if node.target in (ALL_GATHER, REDUCE_SCATTER)
+            if node.target in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
             for name in node.meta.get(PARAMS, ())
         ]
         if names:
@@ -93,7 +103,7 @@ def describe_signature(signature: list[tuple], graph: fx.Graph | None = None) ->
 
 _CALL = re.compile(
     r"^\s*(\w+) = torch\.ops\._c10d_functional\."
-    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)\.default\("
+    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce|all_to_all_single)\.default\("
 )
 # Inductor re-inplaces all_reduce: a statement on the buffer it reduces, waited by that name
 _IN_PLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.all_reduce_\.default\((\w+)")
@@ -102,6 +112,7 @@ _KINDS = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
+    "all_to_all_single": "all_to_all",
 }
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
 _SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
@@ -194,6 +205,7 @@ def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
         REDUCE_SCATTER: "reduce_scatter",
         ALL_REDUCE: "all_reduce",
         ALL_REDUCE_INPLACE: "all_reduce",
+        ALL_TO_ALL: "all_to_all",
     }
     return [
         (kinds[node.target], int(node.meta["val"].numel()))

@@ -82,7 +82,12 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
 def _gather_traits(node: fx.Node, ctx: PassContext) -> tuple[tuple, int, str]:
     call = UnshardCall.of(node)
     fused = ctx.options.fused_copies
-    scheme = gather_scheme(call.spec, call.shard.meta["val"].dtype, traced_copies=fused)
+    scheme = gather_scheme(
+        call.spec,
+        call.shard.meta["val"].dtype,
+        traced_copies=fused,
+        quantization=ctx.gather_quantization(),
+    )
     return scheme.key(), gather_bytes([call.spec], scheme.dtype), call.spec.fqn
 
 
@@ -93,6 +98,7 @@ def _reduce_traits(node: fx.Node, ctx: PassContext) -> tuple[tuple, int, str]:
         call.grad.meta["val"].dtype,
         call.shard_dtype,
         traced_copies=ctx.options.fused_copies,
+        quantization=ctx.reduce_quantization(),
     )
     return scheme.key(), reduce_bytes([call.spec], scheme.dtype), call.spec.fqn
 

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import torch.fx as fx
 
+from ...collectives.arithmetic import gather_bytes
 from ...collectives.ops import RELOAD, UNSHARD
 from ...collectives.schemes import gather_scheme
 from ...compat import WAIT
@@ -77,7 +78,7 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
         order = node_order(graph)
         first_use = min((u for m in members for u in m.users), key=order.__getitem__)
         with graph.inserting_before(first_use):
-            fulls = _emit_bucket(gm, index, members, ctx.options.fused_copies)
+            fulls = _emit_bucket(gm, index, members, ctx)
         for marker, full in zip(members, fulls):
             marker.replace_all_uses_with(full)
             graph.erase_node(marker)
@@ -146,17 +147,23 @@ def _reloaded(emit: GraphEmit, call: UnshardCall) -> fx.Node:
 
 
 def _emit_bucket(
-    gm: fx.GraphModule, index: int, members: list[fx.Node], fused: bool
+    gm: fx.GraphModule, index: int, members: list[fx.Node], ctx: PassContext
 ) -> list[fx.Node]:
     calls = [UnshardCall.of(m) for m in members]
     specs = [c.spec for c in calls]
-    scheme = gather_scheme(specs[0], calls[0].shard.meta["val"].dtype, traced_copies=fused)
+    scheme = gather_scheme(
+        specs[0],
+        calls[0].shard.meta["val"].dtype,
+        traced_copies=ctx.options.fused_copies,
+        quantization=ctx.gather_quantization(),
+    )
     record = BucketRecord(
         kind="gather",
         index=index,
         params=tuple(s.fqn for s in specs),
         scheme=type(scheme).__name__,
         groups=(specs[0].group, specs[0].replicate_group),
+        full_bytes=gather_bytes(specs, scheme.dtype) if scheme.compresses else None,
     )
     emit = GraphEmit(gm.graph, record, source=members[0])
     shards = [_reloaded(emit, c) if c.spec.offloaded else c.shard for c in calls]

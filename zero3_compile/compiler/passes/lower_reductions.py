@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ...collectives.arithmetic import reduce_bytes
 from ...collectives.ops import REDUCE_GRAD
 from ...collectives.schemes import ReduceScheme, reduce_scheme
 from ...sharding.spec import ShardSpec
@@ -76,14 +77,20 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
         calls = [ReduceGradCall.of(m) for m in members]
         first = calls[0]
         scheme = reduce_scheme(
-            first.spec, first.grad.meta["val"].dtype, first.shard_dtype, traced_copies=fused
+            first.spec,
+            first.grad.meta["val"].dtype,
+            first.shard_dtype,
+            traced_copies=fused,
+            quantization=ctx.reduce_quantization(),
         )
+        specs = [c.spec for c in calls]
         record = BucketRecord(
             kind="reduce",
             index=index,
-            params=tuple(c.spec.fqn for c in calls),
+            params=tuple(s.fqn for s in specs),
             scheme=type(scheme).__name__,
             groups=(first.spec.group, first.spec.replicate_group),
+            full_bytes=reduce_bytes(specs, scheme.dtype) if scheme.compresses else None,
         )
         add_record(gm, record)
         emit = GraphEmit(graph, record, source=members[0])

@@ -46,6 +46,7 @@ class GatherInfo:
     release: int  # last node reading them: the buffer is freed right after it
     compute_ahead: int  # compute nodes between issue and wait: how much the gather can overlap
     buckets_ahead: int = 0  # buckets first used while it is in flight: the prefetch distance
+    full_bytes: int = 0  # ``bytes`` uncompressed (equal to it when not compressed)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class ReduceInfo:
     issue: int  # the reduce_scatter node
     wait: int  # its wait_tensor
     compute_overlapped: int  # compute nodes between issue and wait
+    full_bytes: int = 0  # ``bytes`` uncompressed (equal to it when not compressed)
 
 
 @dataclass
@@ -89,6 +91,7 @@ class GraphReport:
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> count, bytes
     # group role ("shard", "replicate"; a foreign collective's group name) -> kind -> bytes
     group_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    group_full_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # uncompressed
     memory: list[int] = field(default_factory=list)  # bytes alive above the start, per node
     peak_bytes: int = 0
     peak_node: str = ""
@@ -112,12 +115,18 @@ class GraphReport:
             f"estimated peak {self.peak_bytes / mib:.2f} MiB at {self.peak_node}",
         ]
         for kind, stats in sorted(self.collectives.items()):
-            lines.append(
-                f"   {kind}: {stats['count']} collective(s), {stats['bytes'] / mib:.3f} MiB"
-            )
+            line = f"   {kind}: {stats['count']} collective(s), {stats['bytes'] / mib:.3f} MiB"
+            if stats.get("full_bytes", stats["bytes"]) != stats["bytes"]:
+                line += f" compressed from {stats['full_bytes'] / mib:.3f} MiB"
+            lines.append(line)
         if len(self.group_bytes) > 1:
             for group, kinds in sorted(self.group_bytes.items()):
-                text = ", ".join(f"{k} {v / mib:.3f} MiB" for k, v in sorted(kinds.items()))
+                full = self.group_full_bytes.get(group, {})
+                text = ", ".join(
+                    f"{k} {v / mib:.3f} MiB"
+                    + (f" ({full[k] / mib:.3f} uncompressed)" if full.get(k, v) != v else "")
+                    for k, v in sorted(kinds.items())
+                )
                 lines.append(f"   group {group}: {text}")
         if self.gathers:
             lines.append(
@@ -212,6 +221,7 @@ def build_report(record: GraphRecord) -> GraphReport:
                 bucket=bucket.index,
                 params=list(bucket.params),
                 bytes=sum(_nbytes(c.meta["val"]) for c in collectives),
+                full_bytes=bucket.full_bytes or sum(_nbytes(c.meta["val"]) for c in collectives),
                 issue=issue,
                 wait=wait,
                 first_use=min(uses, default=wait),
@@ -242,6 +252,7 @@ def build_report(record: GraphRecord) -> GraphReport:
                 bucket=bucket.index,
                 params=list(bucket.params),
                 bytes=_nbytes(first.args[0].meta["val"]),
+                full_bytes=bucket.full_bytes or _nbytes(first.args[0].meta["val"]),
                 ready=max((pos[g] for g in grads), default=pos[first]),
                 issue=pos[first],
                 wait=pos[wait],
@@ -254,7 +265,11 @@ def build_report(record: GraphRecord) -> GraphReport:
         )
     for name, items in (("all_gather", report.gathers), ("reduce_scatter", report.reductions)):
         if items:
-            report.collectives[name] = {"count": len(items), "bytes": sum(i.bytes for i in items)}
+            report.collectives[name] = {
+                "count": len(items),
+                "bytes": sum(i.bytes for i in items),
+                "full_bytes": sum(i.full_bytes for i in items),
+            }
     all_reduces = [
         n
         for n in nodes
@@ -265,6 +280,12 @@ def build_report(record: GraphRecord) -> GraphReport:
             "count": len(all_reduces),
             "bytes": sum(_nbytes(n.args[0].meta["val"]) for n in all_reduces),
         }
+    # a compressed bucket's one collective: the bytes it would carry uncompressed
+    full_bytes = {
+        bucket.collectives[0]: bucket.full_bytes
+        for bucket in records(gm)
+        if bucket.full_bytes is not None and len(bucket.collectives) == 1
+    }
     for node in nodes:
         if node.target in COLLECTIVES:
             group = node.args[2] if node.target is ALL_GATHER else node.args[-1]
@@ -277,6 +298,8 @@ def build_report(record: GraphRecord) -> GraphReport:
             name = node.meta.get(GROUP_ROLE) or foreign_group_role(str(group))
             per_group = report.group_bytes.setdefault(name, {})
             per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
+            full = report.group_full_bytes.setdefault(name, {})
+            full[kind] = full.get(kind, 0) + full_bytes.get(node.name, _nbytes(value))
 
     timeline = memory_timeline(
         gm,

@@ -1,0 +1,103 @@
+"""Blockwise quantization for compressed collectives (ZeRO++'s qwZ and qgZ), as plain tensor
+functions: run eagerly on real tensors and traced into the scheduled graphs alike.
+
+A flat tensor of ``numel`` elements is cut into blocks of ``block`` elements (the tail block
+padded with zeros); each block is scaled by its largest magnitude into the symmetric integer
+range of ``bits`` (int8: -127..127, int4: -7..7) and rounded to nearest, so an element's error is
+at most half a step: ``amax(block) / (2 * levels)``. The payload that travels is one ``uint8``
+tensor, the integers (int4: two per byte, low nibble first) followed by the float32 scales'
+bytes, so a compressed all-gather or all-to-all is still one collective::
+
+    payload = [ q_0 q_1 ... q_{n-1} | scale_0 ... scale_{n/block-1} ]     # uint8
+    n = padded numel (a multiple of block; block a multiple of 8, so the scales and every row
+    of a (rows, payload) tensor start 4-byte aligned)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = {8: 127, 4: 7}
+BITS = {"int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a collective's payload is compressed: integers of ``bits`` and one float32 scale per
+    ``block`` elements."""
+
+    bits: int
+    block: int
+
+    @classmethod
+    def of(cls, name: str | None, block: int) -> Quantization | None:
+        return None if name is None else cls(BITS[name], block)
+
+    def payload_bytes(self, numel: int) -> int:
+        return payload_bytes(numel, self.block, self.bits)
+
+
+def padded_numel(numel: int, block: int) -> int:
+    """``numel`` rounded up to whole blocks."""
+    return -(-numel // block) * block
+
+
+def payload_bytes(numel: int, block: int, bits: int) -> int:
+    """Bytes of the payload of a flat tensor of ``numel`` elements."""
+    padded = padded_numel(numel, block)
+    return padded * bits // 8 + (padded // block) * 4
+
+
+def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    """Each row of ``rows`` (``(n_rows, numel)``, floating) as its payload:
+    ``(n_rows, payload_bytes)`` ``uint8``."""
+    levels = LEVELS[bits]
+    n_rows, numel = rows.shape
+    padded = padded_numel(numel, block)
+    x = rows.to(torch.float32)
+    if padded != numel:
+        x = torch.nn.functional.pad(x, (0, padded - numel))
+    blocks = x.view(n_rows, -1, block)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+    q = torch.clamp(torch.round(blocks / scale), -levels, levels).to(torch.int8)
+    q = q.view(n_rows, padded)
+    if bits == 4:
+        nibbles = (q + 8).to(torch.uint8).view(n_rows, -1, 2)  # 1..15, two per byte
+        ints = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+    else:
+        ints = q.view(torch.uint8)
+    return torch.cat([ints, scale.view(n_rows, -1).view(torch.uint8)], dim=1)
+
+
+def quantize(flat: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    """``flat`` (1-D, floating) as its payload (1-D ``uint8``, ``payload_bytes`` long)."""
+    return quantize_rows(flat.view(1, -1), block, bits).view(-1)
+
+
+def dequantize(
+    payload: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``numel`` values a ``quantize`` payload holds, in ``dtype``."""
+    return dequantize_rows(payload.view(1, -1), numel, block, bits, dtype).view(-1)
+
+
+def dequantize_rows(
+    payloads: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows of payloads (``(n_rows, payload_bytes)``) as ``(n_rows, numel)`` values."""
+    n_rows = payloads.shape[0]
+    padded = padded_numel(numel, block)
+    int_bytes = padded * bits // 8
+    ints, scale_bytes = payloads[:, :int_bytes], payloads[:, int_bytes:]
+    if bits == 4:
+        low = (ints & 15).to(torch.int8) - 8
+        high = (ints >> 4).to(torch.int8) - 8
+        q = torch.stack([low, high], dim=2).reshape(n_rows, padded)
+    else:
+        q = ints.contiguous().view(torch.int8)
+    scale = scale_bytes.contiguous().view(torch.float32).view(n_rows, -1, 1)
+    values = (q.to(torch.float32).view(n_rows, -1, block) * scale).view(n_rows, padded)
+    return values[:, :numel].to(dtype).contiguous()
