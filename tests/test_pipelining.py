@@ -275,6 +275,42 @@ def refused(rank, world):
     return messages
 
 
+def split_backward(rank, world, schedule_name):
+    """torch's own stage over uncompiled zero3 stage modules runs split-backward schedules (a
+    reduction per micro-batch; torch refuses them for compiled modules): gradients equal eager's."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    reference = TinyLlama(CONFIG)
+    v_shape = schedule_name != "ScheduleInterleavedZeroBubble"
+    own = [pp, 3 - pp] if v_shape else [pp, pp + 2]
+    parts = {i: Part(reference, *SPLITS[4][i]) for i in own}
+    stages = []
+    for index, part in parts.items():
+        z3.shard(part, mesh=mesh["dp"], sync_timeout_s=120)
+        group = mesh["pp"].get_group()
+        stages.append(TorchStage(part, index, 4, torch.device("cpu"), group=group))
+    schedule = getattr(pipelining, schedule_name)(stages, N_MICRO, loss_fn=_loss)
+    tokens, targets = llama_batch(2 * PER_RANK, CONFIG, seed=3)
+    rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
+    if v_shape:  # rank 0 holds the first and the last stage
+        schedule.step(tokens[rows], target=targets[rows]) if pp == 0 else schedule.step()
+    else:
+        schedule.step(tokens[rows]) if pp == 0 else schedule.step(target=targets[rows])
+    _loss(reference(tokens), targets).backward()
+    ref_params = dict(reference.named_parameters())
+    errors = {}
+    for part in parts.values():
+        for name, param in part.named_parameters():
+            grad = param.grad
+            errors[name] = (
+                None if grad is None else rel_diff(grad.full_tensor(), ref_params[name].grad)
+            )
+    return errors
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -286,9 +322,15 @@ CASES += [("pipeline", "1f1b", "stage-kept", "eager"), ("pipeline", "gpipe", "st
 CLIPPED = [("pipeline", "interleaved", "stage", None, norm) for norm in (2.0, float("inf"))]
 
 
+SPLIT = [
+    ("split_backward", name)
+    for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+]
+
+
 @functools.cache
 def results():
-    return run_scenarios(_scenario, 4, CASES + CLIPPED + [("refused",)], timeout=1500)
+    return run_scenarios(_scenario, 4, CASES + CLIPPED + SPLIT + [("refused",)], timeout=1500)
 
 
 # pp 2 x dp 1 (2 ranks): zero3 stages over a one-rank data-parallel group
@@ -364,11 +406,21 @@ def test_zero3_stage_reduces_once_per_step_not_per_micro_batch():
                 assert plain["reductions"] == [N_MICRO * plain["n_params"]] * 2, schedule
 
 
+@pytest.mark.parametrize("case", SPLIT, ids=lambda c: c[1])
+def test_split_backward_schedules_over_torchs_stage_train_like_eager(case):
+    covered = set()
+    for errors in results()[case]:
+        assert all(e is not None and e <= 1e-5 for e in errors.values()), errors
+        covered |= set(errors)
+    assert len(covered) == len(list(TinyLlama(CONFIG).parameters()))  # every stage ran
+
+
 def test_split_backward_schedules_are_refused_with_the_fix():
     for messages in results()[("refused",)]:
         assert len(messages) == 3, messages
         for message in messages.values():
             assert "Schedule1F1B" in message and "ZeroBubble" in message, message
+            assert "torch.distributed.pipelining.PipelineStage" in message, message
 
 
 def test_the_3d_example_trains_like_eager():

@@ -15,9 +15,11 @@ torch's does for FSDP2:
   behind are dropped.
 
 Schedules that split backward into input and weight parts (ZeroBubble, DualPipeV) compute weight
-gradients with ``torch.autograd.grad`` outside zero3's reduction: refused with an error naming
-the schedules that work, at the start of ``step()`` on every rank (the schedule's action table is
-the same on all of them), so no rank is left waiting in a receive for a stage that refused.
+gradients in a second ``torch.autograd.grad`` pass, after the micro-batch's sync point: refused
+with an error naming the schedules that work (torch's own stage runs them over an uncompiled
+zero3 stage module, syncing every micro-batch; torch refuses them for compiled modules), at the
+start of ``step()`` on every rank (the schedule's action table is the same on all of them), so
+no rank is left waiting in a receive for a stage that refused.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ class PipelineStage(_TorchPipelineStage):
 
 _SPLIT_BACKWARD = (
     "zero3: this pipeline schedule splits backward into input and weight parts "
-    "(ZeroBubble, DualPipeV), which compute weight gradients outside zero3's "
-    "reduction; use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or "
-    "ScheduleLoopedBFS"
+    "(ZeroBubble, DualPipeV), which zero3_compile.parallel.PipelineStage cannot sync once per "
+    "step; use ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS, or "
+    "torch.distributed.pipelining.PipelineStage over the uncompiled zero3 stage module "
+    "(it runs these schedules, with a reduction per micro-batch)"
 )
 
 
