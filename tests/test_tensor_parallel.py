@@ -268,6 +268,39 @@ def checkpoint_load_fsdp2(rank, world, folder):
     return {"params": params, "optim": full_optimizer_state(model, opt)}
 
 
+def fsdp2_checkpoint_save(rank, world, folder):
+    """FSDP2 + TP trains a step and saves with plain DCP, torchtitan's way (optimizer state
+    flattened per parameter, no manifest)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    mesh = _mesh(2, 2)
+    model = apply_tp(TinyLlama(UNEVEN), mesh["tp"])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs, targets = llama_batch(2 * PER_RANK, UNEVEN, seed=6)
+    dp = mesh["dp"].get_local_rank()
+    rows = slice(dp * PER_RANK, (dp + 1) * PER_RANK)
+    llama_loss(model, (inputs[rows], targets[rows])).backward()
+    opt.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optim_state = get_state_dict(model, opt, options=options)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    params = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"params": params, "optim": full_optimizer_state(model, opt)}
+
+
+def fsdp2_checkpoint_load(rank, world, folder, shape):
+    """That checkpoint into zero3 over TP (no manifest: verify=False)."""
+    torch.manual_seed(321)
+    _, model = _tp_model(UNEVEN, _mesh(*shape))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    z3.load_checkpoint(folder, model, opt, verify=False)
+    return {"params": z3.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -375,5 +408,24 @@ def test_dcp_checkpoint_loads_at_other_dp_tp_pp_shapes_unsharded_and_into_fsdp2(
                 assert torch.equal(params[key], value), (case, key)
             for key, value in saved["optim"].items():
                 assert torch.equal(optim[key], value), (case, key)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_an_fsdp2_tp_checkpoint_saved_with_plain_dcp_loads_into_zero3_over_tp():
+    folder = tempfile.mkdtemp(prefix="z3-fsdp2-ckpt-")
+    try:
+        cases = [("fsdp2_checkpoint_save", folder)]
+        cases += [("fsdp2_checkpoint_load", folder, shape) for shape in ((2, 2), (4, 1))]
+        out = run_scenarios(_scenario, 4, cases, timeout=900)
+        saved = out[cases[0]][0]
+        for case in cases[1:]:
+            for r in out[case]:
+                assert r["params"].keys() == saved["params"].keys()
+                assert r["optim"].keys() == saved["optim"].keys()
+                for key, value in saved["params"].items():
+                    assert torch.equal(r["params"][key], value), (case, key)
+                for key, value in saved["optim"].items():
+                    assert torch.equal(r["optim"][key], value), (case, key)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
