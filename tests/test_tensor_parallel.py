@@ -174,6 +174,36 @@ def _fsdp2(model, dp_mesh):
     return fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
+def write_through(rank, world):
+    """Eager in-place writes to a gathered TP parameter (``module.weight``, a DTensor) reach the
+    shards: fill_, copy_, mul_ and an initialiser, on a colwise, a rowwise and an SP weight."""
+    _, model = _tp_model(UNEVEN, _mesh(2, 2))
+    params = dict(model.named_parameters())
+    out = {}
+    for name, module in (
+        ("layers.0.attention.wq.weight", model.layers[0].attention.wq),
+        ("layers.1.feed_forward.w2.weight", model.layers[1].feed_forward.w2),
+        ("norm.weight", model.norm),
+    ):
+        before = params[name].full_tensor().clone()
+        with torch.no_grad():
+            module.weight.mul_(2.0)
+            doubled = params[name].full_tensor().clone()
+            module.weight.fill_(0.25)
+            filled = params[name].full_tensor().clone()
+            module.weight.copy_(torch.full_like(module.weight, 3.0))
+            copied = params[name].full_tensor().clone()
+            torch.nn.init.zeros_(module.weight)
+            zeroed = params[name].full_tensor().clone()
+        out[name] = {
+            "doubled": torch.equal(doubled, 2 * before),
+            "filled": bool((filled == 0.25).all()),
+            "copied": bool((copied == 3.0).all()),
+            "zeroed": not zeroed.any(),
+        }
+    return out
+
+
 def mismatch(rank, world):
     """A real mismatch under TP still raises: one data-parallel rank runs another sequence
     length, so its graphs carry other collectives."""
@@ -325,7 +355,8 @@ PLACEMENTS = [("placements", (2, 2)), ("placements", (4, 1)), ("placements", (1,
 
 @functools.cache
 def results():
-    return run_scenarios(_scenario, 4, PLACEMENTS + TRAIN + [("mismatch",)], timeout=1500)
+    cases = PLACEMENTS + TRAIN + [("mismatch",), ("write_through",)]
+    return run_scenarios(_scenario, 4, cases, timeout=1500)
 
 
 @pytest.mark.parametrize("case", PLACEMENTS, ids=lambda c: "x".join(map(str, c[1])))
@@ -367,6 +398,13 @@ def test_tensor_parallel_zero3_trains_like_eager(case):
         if codegen is not None and case[2] == "llama-sp":
             # TP's own collectives were compiled into the graphs beside ours
             assert r["foreign"] > 0
+
+
+def test_eager_writes_to_gathered_tp_parameters_reach_the_shards():
+    for r in results()[("write_through",)]:
+        assert len(r) == 3
+        for name, checks in r.items():
+            assert all(checks.values()), (name, checks)
 
 
 def test_a_real_mismatch_still_raises_under_tensor_parallelism():

@@ -126,6 +126,8 @@ def _make_getter(attr: str, state: ShardedParam):
     # a tensor-parallel parameter: the gathered TP-local tensor as the module's TP DTensor
     # ([Note: zero3 over tensor parallelism]); a leaf's scope holds it wrapped already
     tp = (lambda expr: expr) if state.layout is None else (lambda expr: f"tp_wrap({expr})")
+    # an eager read: the DTensor passes in-place writes on to the gathered tensor's write-through
+    eager_tp = (lambda e: e) if state.layout is None else (lambda e: f"gathered_tp(tp_wrap({e}))")
     source = (
         "def get_full_parameter(self):\n"
         "    module_state = self.__dict__['_zero3']\n"
@@ -151,9 +153,9 @@ def _make_getter(attr: str, state: ShardedParam):
         "    with param_state.root.active():\n"
         "        spec = param_state.spec.literal()\n"
         "        full = unshard(shard, param_state.param_id, spec, sink)\n"
-        f"    return {tp('gathered_parameter(full, param_state)')}\n"
+        f"    return {eager_tp('gathered_parameter(full, param_state)')}\n"
     )
-    from ..runtime.write_through import gathered_parameter
+    from ..runtime.write_through import gathered_parameter, gathered_tp
 
     namespace = {
         "unshard": torch.ops.zero3.unshard.default,
@@ -165,6 +167,7 @@ def _make_getter(attr: str, state: ShardedParam):
         "LOADING": ShardState.LOADING,
         "torch": torch,
         "tp_wrap": None if state.layout is None else state.layout.wrap,
+        "gathered_tp": gathered_tp,
     }
     exec(compile(source, f"<zero3 parameter {attr}>", "exec"), namespace)
     return namespace["get_full_parameter"]

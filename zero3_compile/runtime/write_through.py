@@ -18,6 +18,7 @@ writes to parameters are refused at compile time (``passes/param_writes.py``).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..compat import disable_torch_function_subclass
@@ -134,3 +135,42 @@ def _wrap(tensor: torch.Tensor, link: _Link) -> GatheredParameter:
 def gathered_parameter(full: torch.Tensor, state: ShardedParam) -> GatheredParameter:
     """Wrap an eagerly gathered full parameter so that writes to it reach ``state``'s shard."""
     return _wrap(full, _Link(full, state))
+
+
+class GatheredDTensor(DTensor):
+    """A tensor-parallel parameter gathered for eager code: the TP ``DTensor`` over a
+    ``GatheredParameter``. DTensor runs ops on its local tensor below autograd, where neither the
+    local tensor's write-through nor its version counter sees them: an in-place change shows in
+    this wrapper's own version counter, and is written back to the shard here."""
+
+    __slots__ = ()  # DTensor's layout: an eager read's DTensor becomes one in place
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            with disable_torch_function_subclass():
+                return func(*args, **kwargs)
+        flat, _ = tree_flatten((args, kwargs))
+        with disable_torch_function_subclass():  # reading attributes would come back here
+            links = [
+                (t, t._local_tensor._zero3_link)
+                for t in flat
+                if isinstance(t, GatheredDTensor) and isinstance(t._local_tensor, GatheredParameter)
+            ]
+            if _descriptor_access(func) == ("grad", "__get__") and links:
+                return links[0][1].state.param.grad
+            versions = [t._version for t, _ in links]
+            out = func(*args, **kwargs)
+            changed = [link for (t, link), v in zip(links, versions) if t._version != v]
+        for link in changed:
+            link.write_back()
+        return out
+
+
+def gathered_tp(value):
+    """``value`` (the TP-wrapped gathered tensor, or the plain one) with write-through; the same
+    tensor object, so its autograd history (eager training) is kept."""
+    if type(value) is DTensor and isinstance(value._local_tensor, GatheredParameter):
+        value.__class__ = GatheredDTensor
+    return value
