@@ -338,6 +338,7 @@ DP1 = [
     ("pipeline", "1f1b", "torch"),
     ("pipeline", "1f1b", "stage-kept"),
     ("pipeline", "gpipe", "off-kept"),
+    ("pipeline", "interleaved", "stage"),
 ]
 
 
