@@ -1,0 +1,199 @@
+"""Compressed collectives (ZeRO++'s qwZ, qgZ): loss curves, bytes per step, modelled step time.
+
+    python bench/compression.py                          # 2 ranks, gpt and llama, 200 steps
+    python bench/compression.py --world 4 --steps 200 --models gpt
+
+A byte-level LM (vocab 256) trains on a fixed text corpus that ships with Python
+(``pydoc_data/topics.py``: its help texts), 90% for training and 10% held out, once per
+compression setting, on gloo ranks, eager codegen. For each setting: the loss curve (every step,
+the mean over ranks), the held-out loss at the end, the bytes one step puts on the wire per rank
+(from ``explain``: all-gathers and gradient reductions, before and after compression), and the
+step time here (loopback: bytes cost little, so it is not where compression pays).
+
+Modelled step time at 100 and 400 Gbps, for ranks spread one per node (every byte crosses the
+network): ring collectives send (N-1)/N of a buffer's bytes per rank, so
+``comm = (N-1)/N * bytes / bandwidth``; ``compute`` is the measured step time of the same model
+and per-rank batch on one rank (no collective); bounds: ``max(compute, comm)`` (perfect overlap)
+and ``compute + comm`` (none). Writes ``bench/results/compression-<world>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.launch import run_ranks  # noqa: E402
+from bench.models import PRESETS, build_model, lm_loss  # noqa: E402
+
+SETTINGS = {
+    "none": {},
+    "qwZ int8": {"weight_quantization": "int8"},
+    "qgZ int8": {"gradient_quantization": "int8"},
+    "qgZ int4": {"gradient_quantization": "int4"},
+    "qwZ + qgZ int8": {"weight_quantization": "int8", "gradient_quantization": "int8"},
+}
+MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
+SEQ, PER_RANK, LR, EVAL_BATCHES = 64, 8, 3e-3, 16
+
+
+def corpus() -> torch.Tensor:
+    import pydoc_data.topics as topics
+
+    with open(topics.__file__, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+
+
+def batch(data: torch.Tensor, rows: int, gen: torch.Generator):
+    starts = torch.randint(0, data.numel() - SEQ - 1, (rows,), generator=gen)
+    tokens = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(rank: int, world: int, model_name: str, setting: str, steps: int) -> dict:
+    import zero3_compile as z3
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    torch.set_num_threads(1)
+    data = corpus()
+    split = data.numel() * 9 // 10
+    train_data, eval_data = data[:split], data[split:]
+    preset = PRESETS[MODELS[model_name]]
+    model = z3.shard(build_model(preset, seed=0, device="cpu"))
+    options = {"codegen": "eager", **SETTINGS[setting]}
+    step_model = torch.compile(model, backend="zero3", options=options)
+    gen = torch.Generator().manual_seed(0)
+    report = None
+    if world > 1:
+        x, _ = batch(train_data, PER_RANK, torch.Generator().manual_seed(99))
+        report = z3.explain(step_model, x).to_dict()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, times = [], []
+    for _ in range(steps):
+        inputs, targets = batch(train_data, world * PER_RANK, gen)  # the same on every rank
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        start = time.perf_counter()
+        loss = lm_loss(step_model, (inputs[mine], targets[mine]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    eval_gen = torch.Generator().manual_seed(12345)
+    eval_losses = []
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            eval_losses.append(lm_loss(step_model, batch(eval_data, PER_RANK, eval_gen)).item())
+    eval_loss = torch.tensor(statistics.fmean(eval_losses))
+    if world > 1:
+        dist.all_reduce(eval_loss)
+    out = {
+        "losses": losses,
+        "eval_loss": eval_loss.item() / world,
+        "step_s": statistics.median(times[min(5, steps - 1) :]),
+    }
+    if report is not None:
+        wire, full = {}, {}
+        for graph in report["graphs"]:
+            for kind, stats in graph["collectives"].items():
+                wire[kind] = wire.get(kind, 0) + stats["bytes"]
+                full[kind] = full.get(kind, 0) + stats.get("full_bytes", stats["bytes"])
+        out["wire_bytes"], out["full_bytes"] = wire, full
+    return out
+
+
+def _job(rank: int, world: int, model_name: str, setting: str, steps: int) -> dict:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        return train(rank, world, model_name, setting, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--models", default="gpt,llama")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    args = parser.parse_args()
+    log_dir = os.path.join(os.path.dirname(__file__), "out", "compression")
+    results: dict = {"world": args.world, "steps": args.steps, "models": {}}
+    for model_name in args.models.split(","):
+        runs = {}
+        compute = run_ranks(
+            _job,
+            1,
+            (model_name, "none", min(args.steps, 40)),
+            log_dir=log_dir,
+            name=f"{model_name}-compute",
+            timeout_s=1800,
+        )[0]["step_s"]
+        for setting in args.settings.split(","):
+            per_rank = run_ranks(
+                _job,
+                args.world,
+                (model_name, setting, args.steps),
+                log_dir=log_dir,
+                name=f"{model_name}-{setting}",
+                timeout_s=3600,
+            )
+            runs[setting] = per_rank[0]
+            print(f"{model_name} {setting}: eval {per_rank[0]['eval_loss']:.4f}", flush=True)
+        results["models"][model_name] = {"compute_s": compute, "runs": runs}
+    _print(results)
+    folder = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"compression-{args.world}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
+
+
+def _print(results: dict) -> None:
+    world = results["world"]
+    share = (world - 1) / world
+    print(
+        f"\n| model | setting | eval loss (vs none) | loss at step {results['steps']} | "
+        "gather MiB/step | reduce MiB/step | step here | modelled 100 Gbps | modelled 400 Gbps |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for model_name, entry in results["models"].items():
+        base = entry["runs"].get("none")
+        compute = entry["compute_s"]
+        for setting, run in entry["runs"].items():
+            wire, full = run["wire_bytes"], run["full_bytes"]
+            gather = wire.get("all_gather", 0)
+            reduce = wire.get("reduce_scatter", 0)
+            total = share * sum(wire.values())
+            cells = []
+            for gbps in (100, 400):
+                comm = total * 8 / (gbps * 1e9)
+                cells.append(f"{max(compute, comm) * 1e3:.1f}-{(compute + comm) * 1e3:.1f} ms")
+            delta = (
+                ""
+                if base is None
+                else f" ({(run['eval_loss'] / base['eval_loss'] - 1) * 100:+.2f}%)"
+            )
+            print(
+                f"| {model_name} | {setting} | {run['eval_loss']:.4f}{delta} | "
+                f"{run['losses'][-1]:.4f} | {gather / 2**20:.3f} ({full.get('all_gather', 0) / 2**20:.3f}) | "
+                f"{reduce / 2**20:.3f} ({full.get('reduce_scatter', 0) / 2**20:.3f}) | "
+                f"{run['step_s'] * 1e3:.1f} ms | {cells[0]} | {cells[1]} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
