@@ -291,7 +291,6 @@ CASES = [
     ("identical", "eager", "disk", None, "sgd"),
     ("identical", "eager", None, "disk", "adamw"),
     ("identical", "eager", "disk", "disk", "adamw"),
-    ("identical", "inductor", "disk", "disk", "sgd"),
     ("identical", None, "disk", "disk", "adamw"),
     ("identical", "eager", "disk", "disk", "sgd", True),
     # gradients spooled too: clipped, accumulated both ways, a plain optimizer over them
