@@ -81,6 +81,27 @@ def test_rows_quantize_independently_and_bf16_comes_back_in_bf16():
     assert rel_diff(half.float(), rows[0]) < 0.02
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased_reproducible_and_within_one_step(bits):
+    """Values a third of a step above an integer: to nearest always rounds them down (biased by
+    a third of a step); stochastic rounding's mean error is near zero, the same on every call."""
+    levels = quantize.LEVELS[bits]
+    x = torch.full((2, 8192), 1 / 3)
+    x[:, ::64] = levels  # each block's largest magnitude: one step is exactly 1
+    others = x != levels
+    nearest = quantize.dequantize_rows(
+        quantize.quantize_rows(x, 64, bits), 8192, 64, bits, torch.float32
+    )
+    assert (nearest - x)[others].mean() == pytest.approx(-1 / 3, abs=1e-6)
+    payload = quantize.quantize_rows(x, 64, bits, stochastic=True)
+    assert torch.equal(payload, quantize.quantize_rows(x.clone(), 64, bits, stochastic=True))
+    back = quantize.dequantize_rows(payload, 8192, 64, bits, torch.float32)
+    error = (back - x)[others]
+    assert abs(error.mean()) < 0.02
+    assert error.abs().max() < 1
+    assert set(back[others].unique().tolist()) == {0.0, 1.0}  # floor or ceil, nothing else
+
+
 def _shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     chunks = torch.chunk(full, world)
     return chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
@@ -128,7 +149,7 @@ def test_quantized_gather_gives_every_parameter_within_the_bound(world):
 def test_quantized_reduction_gives_each_rank_the_mean_of_its_rows_within_the_bound(bits, world):
     """copy-in on each rank, the all-to-all simulated (rank r receives every rank's row r),
     copy-out: rank r's gradient shards are the mean over ranks within the sum of the ranks'
-    half steps, divided by N."""
+    steps, divided by N."""
     torch.manual_seed(bits * world)
     specs = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
     grads = [[torch.randn(shape) for shape in SHAPES] for _ in range(world)]  # rank -> grads
@@ -142,10 +163,10 @@ def test_quantized_reduction_gives_each_rank_the_mean_of_its_rows_within_the_bou
         received = torch.cat([rows[sender][rank] for sender in range(world)])
         shapes = [_shard(m, world, rank).shape for m in mean]
         shards = scheme.copy_out(EAGER, [received], specs, shapes)
-        # each sender's error is at most half a step of its block; a block of the flat row may
-        # span parameters, so its largest magnitude is at most the largest of any gradient
+        # each sender's error is below one step of its block (stochastic rounding); a block of
+        # the flat row may span parameters: its largest magnitude is at most any gradient's
         step = max(g.abs().max() for rank_grads in grads for g in rank_grads)
-        step = step / (2 * quantize.LEVELS[bits])
+        step = step / quantize.LEVELS[bits]
         for i, (got, want) in enumerate(zip(shards, mean)):
             expected = _shard(want, world, rank)
             assert got.shape == expected.shape

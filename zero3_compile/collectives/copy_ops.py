@@ -65,12 +65,12 @@ REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default
 # or not; Inductor's CPU code for a bitcast of the scales' bytes next to a bf16 cast was seen to
 # give NaNs (torch 2.13), and the eager body is the one the tests check.
 @torch.library.custom_op("zero3::quantize_rows", mutates_args=())
-def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
-    return quantize.quantize_rows(rows, block, bits)
+def quantize_rows(rows: torch.Tensor, block: int, bits: int, stochastic: bool) -> torch.Tensor:
+    return quantize.quantize_rows(rows, block, bits, stochastic)
 
 
 @quantize_rows.register_fake
-def _quantize_rows_fake(rows, block, bits):
+def _quantize_rows_fake(rows, block, bits, stochastic):
     size = quantize.payload_bytes(rows.shape[1], block, bits)
     return rows.new_empty((rows.shape[0], size), dtype=torch.uint8)
 

@@ -4,7 +4,9 @@ functions: run eagerly on real tensors and traced into the scheduled graphs alik
 A flat tensor of ``numel`` elements is cut into blocks of ``block`` elements (the tail block
 padded with zeros); each block is scaled by its largest magnitude into the symmetric integer
 range of ``bits`` (int8: -127..127, int4: -7..7) and rounded to nearest, so an element's error is
-at most half a step: ``amax(block) / (2 * levels)``. The payload that travels is one ``uint8``
+at most half a step: ``amax(block) / (2 * levels)``; or, for gradients, stochastically (up with
+the probability of the fraction, the draw a hash of the element's position and bits): unbiased,
+reproducible, at most one step off. The payload that travels is one ``uint8``
 tensor, the integers (int4: two per byte, low nibble first) followed by the float32 scales'
 bytes, so a compressed all-gather or all-to-all is still one collective::
 
@@ -50,9 +52,12 @@ def payload_bytes(numel: int, block: int, bits: int) -> int:
     return padded * bits // 8 + (padded // block) * 4
 
 
-def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+def quantize_rows(
+    rows: torch.Tensor, block: int, bits: int, stochastic: bool = False
+) -> torch.Tensor:
     """Each row of ``rows`` (``(n_rows, numel)``, floating) as its payload:
-    ``(n_rows, payload_bytes)`` ``uint8``."""
+    ``(n_rows, payload_bytes)`` ``uint8``. ``stochastic``: round up with probability equal to
+    the fraction (unbiased, error below one step) instead of to nearest (half a step)."""
     levels = LEVELS[bits]
     n_rows, numel = rows.shape
     padded = padded_numel(numel, block)
@@ -62,7 +67,12 @@ def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     blocks = x.view(n_rows, -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
-    q = torch.clamp(torch.round(blocks / scale), -levels, levels).to(torch.int8)
+    scaled = blocks / scale
+    if stochastic:
+        rounded = torch.floor(scaled + _uniform(x).view_as(scaled))
+    else:
+        rounded = torch.round(scaled)
+    q = torch.clamp(rounded, -levels, levels).to(torch.int8)
     q = q.view(n_rows, padded)
     if bits == 4:
         nibbles = (q + 8).to(torch.uint8).view(n_rows, -1, 2)  # 1..15, two per byte
@@ -70,6 +80,19 @@ def quantize_rows(rows: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     else:
         ints = q.view(torch.uint8)
     return torch.cat([ints, scale.view(n_rows, -1).view(torch.uint8)], dim=1)
+
+
+def _uniform(x: torch.Tensor) -> torch.Tensor:
+    """A draw in [0, 1) per element of ``x`` (float32, contiguous) from a hash of its position
+    and its bits: reproducible (every rank and every run rounds a value alike, no generator
+    state), and as good as independent of the value's rounding fraction."""
+    mask = 0xFFFFFFFF
+    position = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    h = (position * 2654435761 + (x.view(torch.int32).to(torch.int64) & mask)) & mask
+    for _ in range(2):  # a 32-bit integer finaliser (xor-shift-multiply)
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & mask
+    h = h ^ (h >> 16)
+    return (h & 0xFFFFFF).to(torch.float32) / float(1 << 24)
 
 
 def quantize(flat: torch.Tensor, block: int, bits: int) -> torch.Tensor:

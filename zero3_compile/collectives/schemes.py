@@ -20,8 +20,9 @@ cast, copy-in, collective, copy-out and division exist once, for both.
 - ``ReduceScatter``: a sum reduce-scatter over the shard group, then the division by N;
   ``HybridReduce`` adds a sum all-reduce of the reduced shards over the replicate group (hybrid
   sharding: the mean over every rank of the mesh).
-- ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized, sent
-  to their owners with one all-to-all, dequantized and summed there (in the reduction dtype).
+- ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized
+  (stochastic rounding: the mean stays unbiased), sent to their owners with one all-to-all,
+  dequantized and summed there (in the reduction dtype).
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
 - ``LocalReduce``: one rank: only the dtype and the shape change.
 
@@ -156,8 +157,8 @@ class QuantizedAllGather(AllGather):
         (flat,) = super().copy_in(emit, shards, specs)
         block, bits = self.quantization.block, self.quantization.bits
 
-        def payload(flat):
-            return copy_ops.QUANTIZE_ROWS(flat.view(1, -1), block, bits).view(-1)
+        def payload(flat):  # weights: to nearest
+            return copy_ops.QUANTIZE_ROWS(flat.view(1, -1), block, bits, False).view(-1)
 
         return [emit.traced(roles.GATHER_COPY_IN, payload, [flat])]
 
@@ -353,8 +354,8 @@ class QuantizedReduceScatter(ReduceScatter):
         (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
         world, block, bits = self.world_size, self.quantization.block, self.quantization.bits
 
-        def payload(flat):
-            return copy_ops.QUANTIZE_ROWS(flat.view(world, -1), block, bits).view(-1)
+        def payload(flat):  # gradients: stochastically, so the mean stays unbiased
+            return copy_ops.QUANTIZE_ROWS(flat.view(world, -1), block, bits, True).view(-1)
 
         return [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
 
