@@ -285,13 +285,18 @@ def checkpoint_load_pipelined(rank, world, folder):
     return {"params": z3.full_state_dict(part), "optim": full_optimizer_state(part, opt)}
 
 
-def checkpoint_load_fsdp2(rank, world, folder):
-    """The checkpoint into FSDP2 + TP at (dp 2, tp 2): the same placements, torch's own code."""
-    mesh = _mesh(2, 2)
+def _fsdp2_tp(mesh):
+    """The uneven TinyLlama as FSDP2 + TP (torchtitan's way: each block, then the root)."""
     model = apply_tp(TinyLlama(UNEVEN), mesh["tp"])
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def checkpoint_load_fsdp2(rank, world, folder):
+    """The checkpoint into FSDP2 + TP at (dp 2, tp 2): the same placements, torch's own code."""
+    model = _fsdp2_tp(_mesh(2, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     z3.load_checkpoint(folder, model, opt)
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -305,10 +310,7 @@ def fsdp2_checkpoint_save(rank, world, folder):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     mesh = _mesh(2, 2)
-    model = apply_tp(TinyLlama(UNEVEN), mesh["tp"])
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = _fsdp2_tp(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     inputs, targets = llama_batch(2 * PER_RANK, UNEVEN, seed=6)
     dp = mesh["dp"].get_local_rank()

@@ -78,9 +78,13 @@ class GatheredParameter(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             # a gathered tensor that eager code handed to a compiled frame: a plain input there
-            with disable_torch_function_subclass():
-                return func(*args, **kwargs)
+            return _plain(func, args, kwargs)
         return _eager_torch_function(func, args, kwargs)
+
+
+def _plain(func, args, kwargs):
+    with disable_torch_function_subclass():
+        return func(*args, **kwargs)
 
 
 def _eager_torch_function(func, args, kwargs):
@@ -149,8 +153,7 @@ class GatheredDTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
-            with disable_torch_function_subclass():
-                return func(*args, **kwargs)
+            return _plain(func, args, kwargs)
         flat, _ = tree_flatten((args, kwargs))
         with disable_torch_function_subclass():  # reading attributes would come back here
             links = [
