@@ -224,6 +224,7 @@ def llama_explained(rank, world, name):
         for g in report.graphs
     }
     groups = {g.kind: g.group_full_bytes for g in report.graphs}
+    errors = {g.kind: [info.quantization_error for info in g.gathers] for g in report.graphs}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     losses, ref_losses = [], []
@@ -244,6 +245,7 @@ def llama_explained(rank, world, name):
     return {
         "graphs": graphs,
         "groups": groups,
+        "errors": errors,
         "text": str(report),
         "losses": losses,
         "ref_losses": ref_losses,
@@ -309,6 +311,15 @@ def test_explain_reports_the_compressed_bytes_per_step():
         assert r["graphs"]["backward"]["all_gather"] == plain["backward"]["all_gather"]
         assert "compressed from" in r["text"]
         assert r["groups"]["forward"]["shard"]["all_gather"] == full
+        # the first step's error, per bucket: within half a step of the largest value
+        forward_errors = r["errors"]["forward"]
+        assert forward_errors and all(e is not None for e in forward_errors)
+        assert all(0 < e["max_relative"] <= 1 / 254 + 1e-6 for e in forward_errors)
+        assert all(0 < e["mean_relative"] < 0.05 for e in forward_errors)
+        assert all(e is None for e in r["errors"]["backward"])  # full precision there
+        assert "relative error max" in r["text"]
+    for r in out[("llama_explained", "none")]:
+        assert all(e is None for errors in r["errors"].values() for e in errors)
     for name, ratio in (("qgz8", int8), ("qgz4", int4)):
         for r in out[("llama_explained", name)]:
             wire, full = r["graphs"]["backward"]["reduce_scatter"]

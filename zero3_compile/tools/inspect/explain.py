@@ -120,7 +120,47 @@ def explain(
             "and past torch._dynamo.config.recompile_limit); call explain outside such a mode, "
             "or torch._dynamo.reset() first"
         )
-    return ExplainReport([build_report(r) for r in records])
+    report = ExplainReport([build_report(r) for r in records])
+    _weight_quantization_errors(report, list(grads), options)
+    return report
+
+
+def _weight_quantization_errors(report: ExplainReport, params: list, options) -> None:
+    """Each int8 all-gather bucket's error on this rank's shards: its part of what the first step
+    sends, quantized and dequantized as the graph does (offloaded shards are not read)."""
+    from ...collectives import arithmetic, quantize
+    from ...compiler.options import Options
+    from ...sharding.state import state_of
+
+    opts = Options.from_dict(options)
+    how = quantize.Quantization.of(opts.weight_quantization, opts.quantization_block)
+    if how is None:
+        return
+    states = {s.fqn: s for s in (state_of(p) for p in params) if s is not None}
+    for graph in report.graphs:
+        for gather in graph.gathers:
+            members = [states.get(name) for name in gather.params]
+            if gather.full_bytes == gather.bytes or any(
+                m is None or m.offload is not None for m in members
+            ):
+                continue
+            specs = [m.spec for m in members]
+            dtype = specs[0].gather_dtype(members[0].local().dtype)
+            with torch.no_grad():
+                flat = arithmetic.gather_input(
+                    [m.local() for m in members], arithmetic.sizes(specs), dtype
+                )
+                payload = quantize.quantize(flat, how.block, how.bits)
+                back = quantize.dequantize(
+                    payload, flat.numel(), how.block, how.bits, torch.float32
+                )
+                values = flat.float()
+                error = (back - values).abs()
+                tiny = torch.finfo(torch.float32).tiny
+            gather.quantization_error = {
+                "max_relative": float(error.max() / values.abs().max().clamp_min(tiny)),
+                "mean_relative": float(error.mean() / values.abs().mean().clamp_min(tiny)),
+            }
 
 
 def _sharded_parameters_of(fn) -> list[torch.Tensor]:

@@ -47,6 +47,9 @@ class GatherInfo:
     compute_ahead: int  # compute nodes between issue and wait: how much the gather can overlap
     buckets_ahead: int = 0  # buckets first used while it is in flight: the prefetch distance
     full_bytes: int = 0  # ``bytes`` uncompressed (equal to it when not compressed)
+    # compressed: this rank's part of what the first step sends, quantized and back
+    # ({"max_relative": max |error| / max |value|, "mean_relative": mean |error| / mean |value|})
+    quantization_error: dict | None = None
 
 
 @dataclass
@@ -138,6 +141,14 @@ class GraphReport:
                     f"{g.wait:>4}  {g.first_use:>9}  {g.release:>7}  {g.compute_ahead:>5}/{g.buckets_ahead}"
                     f"   {_names(g.params)}"
                 )
+        errors = [g.quantization_error for g in self.gathers if g.quantization_error]
+        if errors:
+            lines.append(
+                f"   int8 all-gathers, this rank's first step: relative error max "
+                f"{max(e['max_relative'] for e in errors):.2e}, mean "
+                f"{sum(e['mean_relative'] for e in errors) / len(errors):.2e} over "
+                f"{len(errors)} bucket(s)"
+            )
         if self.reductions:
             lines.append(
                 "   reduce-scatter  bucket  params  MiB      ready  issue  wait  overlapped nodes"
