@@ -253,6 +253,49 @@ def llama_explained(rank, world, name):
     }
 
 
+def hybrid(rank, world, name):
+    """A (replicate 2, shard 2) mesh: the quantized exchange within a row, then the replicas'
+    all-reduce; 3 AdamW steps of the tiny Llama and its collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
+    torch.manual_seed(0)
+    config = TinyLlamaConfig(dim=32, hidden=64, n_layers=2)
+    reference = TinyLlama(config)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = z3.shard(TinyLlama(config), mesh=mesh)
+    step = torch.compile(model, backend="zero3", options=options)
+    tokens, targets = llama_batch(2 * world, config, seed=0)
+    report = z3.explain(step, tokens[:2])
+    backward = next(g for g in report.graphs if g.kind == "backward")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, ref_losses = [], []
+    mine = slice(2 * rank, 2 * rank + 2)
+    for _ in range(3):
+        loss = llama_loss(step, (tokens[mine], targets[mine]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = llama_loss(reference, (tokens, targets))
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        ref_losses.append(ref.item())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "all_reduces": backward.collectives["all_reduce"]["count"],
+        "backward": {
+            k: (v["bytes"], v.get("full_bytes", v["bytes"]))
+            for k, v in backward.collectives.items()
+        },
+    }
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -261,6 +304,7 @@ def _scenario(rank, world, name, *args):
 GPT_CASES = [("gpt", name, "eager") for name in COMPRESSED if name != "both"]
 GPT_CASES += [("gpt", "both", "inductor")]
 LLAMA_CASES = [("llama_explained", name) for name in ("none", "qwz", "qgz8", "qgz4")]
+HYBRID_CASES = [("hybrid", "none"), ("hybrid", "qgz8")]
 
 
 @functools.cache
@@ -270,7 +314,7 @@ def gpt_results():
 
 @functools.cache
 def llama_results():
-    return run_scenarios(_scenario, 4, LLAMA_CASES, timeout=900)
+    return run_scenarios(_scenario, 4, LLAMA_CASES + HYBRID_CASES, timeout=900)
 
 
 # loss over 3 AdamW steps, relative to the uncompressed run's; gradients of the first step
@@ -339,3 +383,23 @@ def test_llama_on_four_ranks_trains_within_the_band(name):
                 plain["losses"],
             )
         assert ours["losses"] != plain["losses"]  # it did compress
+
+
+def test_hybrid_sharding_reduces_quantized_within_a_row_then_across_replicas():
+    """(replicate 2, shard 2): the uncompressed run equals eager, the quantized one stays within
+    the band; its backward sends 0.27x the bytes within the row and all-reduces the reduced
+    shards across replicas."""
+    plain = llama_results()[("hybrid", "none")]
+    for ours, base in zip(llama_results()[("hybrid", "qgz8")], plain):
+        assert base["losses"] == pytest.approx(base["ref_losses"], rel=1e-5)
+        for loss, want in zip(ours["losses"], base["losses"]):
+            assert abs(loss - want) <= LLAMA_LOSS_BAND["qgz8"] * want, (ours, base)
+        assert ours["losses"] != base["losses"]
+        wire, full = ours["backward"]["reduce_scatter"]
+        assert full == base["backward"]["reduce_scatter"][0]
+        assert wire == pytest.approx(full * (1 + 4 / 64) / 4, rel=0.05)
+        # the replicas' all-reduce carries the summed rows: the bucket plus its tail to a whole
+        # block (at most 64 elements per bucket)
+        reduced, base_reduced = ours["backward"]["all_reduce"][0], base["backward"]["all_reduce"][0]
+        buckets = ours["all_reduces"]
+        assert base_reduced <= reduced <= base_reduced + buckets * 64 * 4

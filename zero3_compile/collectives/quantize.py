@@ -52,6 +52,13 @@ def payload_bytes(numel: int, block: int, bits: int) -> int:
     return padded * bits // 8 + (padded // block) * 4
 
 
+def numel_of_payload(payload: int, block: int, bits: int) -> int:
+    """The padded numel a payload of ``payload`` bytes holds (``payload_bytes``'s inverse)."""
+    padded, rest = divmod(payload * 8 * block, bits * block + 32)
+    assert not rest, (payload, block, bits)
+    return padded
+
+
 def quantize_rows(
     rows: torch.Tensor, block: int, bits: int, stochastic: bool = False
 ) -> torch.Tensor:

@@ -22,7 +22,8 @@ cast, copy-in, collective, copy-out and division exist once, for both.
   sharding: the mean over every rank of the mesh).
 - ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized
   (stochastic rounding: the mean stays unbiased), sent to their owners with one all-to-all,
-  dequantized and summed there (in the reduction dtype).
+  dequantized and summed there (in the reduction dtype); ``QuantizedHybridReduce`` adds the
+  replicas' all-reduce of the summed shards, uncompressed.
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
 - ``LocalReduce``: one rank: only the dtype and the shape change.
 
@@ -47,7 +48,7 @@ from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
-from .quantize import Quantization
+from .quantize import Quantization, numel_of_payload
 
 
 class Emit:
@@ -368,17 +369,63 @@ class QuantizedReduceScatter(ReduceScatter):
         )
         return [work]
 
-    def copy_out(self, emit, reduced, specs, shard_shapes):
-        (received,) = reduced  # (world * payload_bytes,): every rank's quantized row of ours
-        numel, world, dtype = sum(arithmetic.sizes(specs)), self.world_size, self.dtype
+    def _summed_fn(self):
+        """received (world * payload_bytes,): every rank's quantized row of ours -> their sum
+        (bucket_numel,) in the reduction dtype."""
+        world, dtype = self.world_size, self.dtype
         block, bits = self.quantization.block, self.quantization.bits
 
         def summed(received):
-            rows = copy_ops.DEQUANTIZE_ROWS(received.view(world, -1), numel, block, bits, dtype)
-            return rows.sum(dim=0)  # (bucket_numel,)
+            rows = received.view(world, -1)
+            numel = numel_of_payload(rows.shape[1], block, bits)  # padded: the tail is 0
+            return copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype).sum(dim=0)
 
-        flat = emit.traced(roles.REDUCE_COPY_OUT, summed, [received])
+        return summed
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        (received,) = reduced
+        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
         return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
+
+
+@dataclass(frozen=True)
+class QuantizedHybridReduce(QuantizedReduceScatter):
+    """Hybrid sharding with qgZ: the quantized exchange within the row (``QuantizedReduceScatter``),
+    its rows dequantized and summed, then the reduced shards summed across the replicas in the
+    reduction dtype (an all-reduce, uncompressed)."""
+
+    replicate_group: str = ""
+    replicate_size: int = 1
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+        (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
+    )
+
+    def key(self) -> tuple:
+        return (*super().key(), self.replicate_group, self.replicate_size)
+
+    @property
+    def divisor(self) -> int:
+        return self.world_size * self.replicate_size
+
+    def issue(self, emit, stage, payloads):
+        if stage == 0:
+            return super().issue(emit, stage, payloads)
+        (received,) = payloads
+        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
+        work = emit.collective(
+            roles.REPLICA_ALL_REDUCE,
+            roles.GROUP_REPLICATE,
+            ALL_REDUCE_OP,
+            flat,
+            "sum",
+            self.replicate_group,
+        )
+        return [work]
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        # the rows were dequantized and summed before the replica stage
+        return ReduceScheme.copy_out(self, emit, reduced, specs, shard_shapes)
 
 
 @dataclass(frozen=True)
@@ -482,9 +529,15 @@ def reduce_scheme(
     dtype = spec.reduce_dtype or grad_dtype
     if quantization is not None and spec.world_size > 1:
         if spec.replicate_size > 1:
-            raise NotImplementedError(
-                "zero3: option gradient_quantization is not implemented for hybrid sharding "
-                "(a (replicate, shard) mesh) yet; set gradient_quantization=None there"
+            return QuantizedHybridReduce(
+                dtype,
+                shard_dtype,
+                traced_copies,
+                group=spec.group,
+                world_size=spec.world_size,
+                quantization=quantization,
+                replicate_group=spec.replicate_group,
+                replicate_size=spec.replicate_size,
             )
         return QuantizedReduceScatter(
             dtype,

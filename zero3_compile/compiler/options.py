@@ -62,7 +62,8 @@ class Options:
         backward's re-gathers stay in full precision. None (default): off.
     gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
         exchanged with one all-to-all and summed in the reduction dtype by their owner (ZeRO++'s
-        qgZ), instead of a reduce-scatter. None (default): off. Not with hybrid sharding yet.
+        qgZ), instead of a reduce-scatter (hybrid sharding: within the row; the replicas'
+        all-reduce stays uncompressed). None (default): off.
     quantization_block: elements per float32 scale of both (a multiple of 8; default 256).
     """
 
