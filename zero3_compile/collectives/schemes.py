@@ -389,10 +389,9 @@ class QuantizedReduceScatter(ReduceScatter):
 
 
 @dataclass(frozen=True)
-class QuantizedHybridReduce(QuantizedReduceScatter):
-    """Hybrid sharding with qgZ: the quantized exchange within the row (``QuantizedReduceScatter``),
-    its rows dequantized and summed, then the reduced shards summed across the replicas in the
-    reduction dtype (an all-reduce, uncompressed)."""
+class _AcrossReplicas:
+    """The second stage of hybrid sharding's reduction: the reduced shards summed across the
+    replicas (an all-reduce over the replicate group); the mean divides by every rank."""
 
     replicate_group: str = ""
     replicate_size: int = 1
@@ -408,11 +407,7 @@ class QuantizedHybridReduce(QuantizedReduceScatter):
     def divisor(self) -> int:
         return self.world_size * self.replicate_size
 
-    def issue(self, emit, stage, payloads):
-        if stage == 0:
-            return super().issue(emit, stage, payloads)
-        (received,) = payloads
-        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
+    def _across_replicas(self, emit, flat) -> list:
         work = emit.collective(
             roles.REPLICA_ALL_REDUCE,
             roles.GROUP_REPLICATE,
@@ -424,27 +419,27 @@ class QuantizedHybridReduce(QuantizedReduceScatter):
         return [work]
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
-        # the rows were dequantized and summed before the replica stage
+        # this rank's rows were taken (or summed) before the replica stage
         return ReduceScheme.copy_out(self, emit, reduced, specs, shard_shapes)
 
 
 @dataclass(frozen=True)
-class HybridReduce(ReduceScatter):
+class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
+    """Hybrid sharding with qgZ: the quantized exchange within the row, its rows dequantized and
+    summed, then the replicas' all-reduce of the summed shards in the reduction dtype
+    (uncompressed)."""
+
+    def issue(self, emit, stage, payloads):
+        if stage == 0:
+            return super().issue(emit, stage, payloads)
+        (received,) = payloads
+        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
+        return self._across_replicas(emit, flat)
+
+
+@dataclass(frozen=True)
+class HybridReduce(_AcrossReplicas, ReduceScatter):
     """Reduce-scatter within the row, then the reduced shards summed across the replicas."""
-
-    replicate_group: str = ""
-    replicate_size: int = 1
-    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
-        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
-        (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
-    )
-
-    def key(self) -> tuple:
-        return (*super().key(), self.replicate_group, self.replicate_size)
-
-    @property
-    def divisor(self) -> int:
-        return self.world_size * self.replicate_size
 
     def issue(self, emit, stage, payloads):
         if stage == 0:
@@ -453,19 +448,7 @@ class HybridReduce(ReduceScatter):
         if self.rank is not None:
             # stage 0 was an all-reduce: keep this rank's rows before summing across replicas
             (flat,) = self._own_rows(emit, payloads)
-        work = emit.collective(
-            roles.REPLICA_ALL_REDUCE,
-            roles.GROUP_REPLICATE,
-            ALL_REDUCE_OP,
-            flat,
-            "sum",
-            self.replicate_group,
-        )
-        return [work]
-
-    def copy_out(self, emit, reduced, specs, shard_shapes):
-        # the rows were taken before the replica stage
-        return ReduceScheme.copy_out(self, emit, reduced, specs, shard_shapes)
+        return self._across_replicas(emit, flat)
 
 
 @dataclass(frozen=True)
