@@ -207,6 +207,29 @@ def gpt(rank, world, name, codegen):
     return {"losses": out["losses"], "ref_losses": out["ref_losses"], "grad_errors": errors}
 
 
+def _train_llama(step, model, reference, tokens, targets, rank, world, steps=3):
+    """``steps`` AdamW steps of the compiled sharded model (rank's 2 rows) beside the reference
+    (all rows); both loss curves, the sharded one averaged over ranks."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, ref_losses = [], []
+    mine = slice(2 * rank, 2 * rank + 2)
+    for _ in range(steps):
+        loss = llama_loss(step, (tokens[mine], targets[mine]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = llama_loss(reference, (tokens, targets))
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        ref_losses.append(ref.item())
+    return losses, ref_losses
+
+
 def llama_explained(rank, world, name):
     """The Llama's collectives as ``explain`` reports them, and 3 steps of training."""
     options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
@@ -225,23 +248,7 @@ def llama_explained(rank, world, name):
     }
     groups = {g.kind: g.group_full_bytes for g in report.graphs}
     errors = {g.kind: [info.quantization_error for info in g.gathers] for g in report.graphs}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    losses, ref_losses = [], []
-    mine = slice(2 * rank, 2 * rank + 2)
-    for _ in range(3):
-        loss = llama_loss(step, (tokens[mine], targets[mine]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref = llama_loss(reference, (tokens, targets))
-        ref.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-        ref_losses.append(ref.item())
+    losses, ref_losses = _train_llama(step, model, reference, tokens, targets, rank, world)
     return {
         "graphs": graphs,
         "groups": groups,
@@ -268,23 +275,7 @@ def hybrid(rank, world, name):
     tokens, targets = llama_batch(2 * world, config, seed=0)
     report = z3.explain(step, tokens[:2])
     backward = next(g for g in report.graphs if g.kind == "backward")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    losses, ref_losses = [], []
-    mine = slice(2 * rank, 2 * rank + 2)
-    for _ in range(3):
-        loss = llama_loss(step, (tokens[mine], targets[mine]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref = llama_loss(reference, (tokens, targets))
-        ref.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-        ref_losses.append(ref.item())
+    losses, ref_losses = _train_llama(step, model, reference, tokens, targets, rank, world)
     return {
         "losses": losses,
         "ref_losses": ref_losses,

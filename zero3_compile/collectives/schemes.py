@@ -511,25 +511,14 @@ def reduce_scheme(
 ) -> ReduceScheme:
     dtype = spec.reduce_dtype or grad_dtype
     if quantization is not None and spec.world_size > 1:
+        row = {"group": spec.group, "world_size": spec.world_size, "quantization": quantization}
         if spec.replicate_size > 1:
-            return QuantizedHybridReduce(
-                dtype,
-                shard_dtype,
-                traced_copies,
-                group=spec.group,
-                world_size=spec.world_size,
-                quantization=quantization,
-                replicate_group=spec.replicate_group,
-                replicate_size=spec.replicate_size,
-            )
-        return QuantizedReduceScatter(
-            dtype,
-            shard_dtype,
-            traced_copies,
-            group=spec.group,
-            world_size=spec.world_size,
-            quantization=quantization,
-        )
+            replicas = {
+                "replicate_group": spec.replicate_group,
+                "replicate_size": spec.replicate_size,
+            }
+            return QuantizedHybridReduce(dtype, shard_dtype, traced_copies, **row, **replicas)
+        return QuantizedReduceScatter(dtype, shard_dtype, traced_copies, **row)
     if spec.world_size == 1 and spec.replicate_size == 1:
         return LocalReduce(dtype, shard_dtype)
     if spec.world_size == 1:
