@@ -37,9 +37,6 @@ class Quantization:
     def of(cls, name: str | None, block: int) -> Quantization | None:
         return None if name is None else cls(BITS[name], block)
 
-    def payload_bytes(self, numel: int) -> int:
-        return payload_bytes(numel, self.block, self.bits)
-
 
 def padded_numel(numel: int, block: int) -> int:
     """``numel`` rounded up to whole blocks."""

@@ -227,12 +227,13 @@ def build_report(record: GraphRecord) -> GraphReport:
             readers |= gathered_values(wait)[1]
         uses = [pos[r] for r in readers if r.meta.get(ROLE) != ROLE_GATHER_COPY_OUT]
         issue, wait = min(pos[c] for c in collectives), max(pos[w] for w in waits)
+        wire = sum(_nbytes(c.meta["val"]) for c in collectives)
         report.gathers.append(
             GatherInfo(
                 bucket=bucket.index,
                 params=list(bucket.params),
-                bytes=sum(_nbytes(c.meta["val"]) for c in collectives),
-                full_bytes=bucket.full_bytes or sum(_nbytes(c.meta["val"]) for c in collectives),
+                bytes=wire,
+                full_bytes=bucket.full_bytes or wire,
                 issue=issue,
                 wait=wait,
                 first_use=min(uses, default=wait),
@@ -258,12 +259,13 @@ def build_report(record: GraphRecord) -> GraphReport:
             continue  # one rank, or replicated parameters (counted as all-reduces below)
         first, wait = collectives[0], waits[0]
         grads = _gradient_sources(first)
+        wire = _nbytes(first.args[0].meta["val"])
         report.reductions.append(
             ReduceInfo(
                 bucket=bucket.index,
                 params=list(bucket.params),
-                bytes=_nbytes(first.args[0].meta["val"]),
-                full_bytes=bucket.full_bytes or _nbytes(first.args[0].meta["val"]),
+                bytes=wire,
+                full_bytes=bucket.full_bytes or wire,
                 ready=max((pos[g] for g in grads), default=pos[first]),
                 issue=pos[first],
                 wait=pos[wait],
