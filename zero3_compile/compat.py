@@ -317,18 +317,10 @@ def order_saved_values(fw_module, bw_module, num_fwd_outputs: int) -> None:
     ``scaled_dot_product_attention`` saves, which AOTAutograd then rejects ("expected all
     tensors_saved_with_vc_check to be Tensors"). A no-op on graphs already in order.
     """
-    from torch._functorch.partitioners import is_sym_node
-
     output = next(n for n in reversed(fw_module.graph.nodes) if n.op == "output")
     outputs = list(output.args[0])
     saved = outputs[num_fwd_outputs:]
-
-    def group(node) -> int:
-        if is_sym_node(node):
-            return 3
-        if is_opaque_node(node):
-            return 2
-        return 1 if node.meta.get("saved_tensor_with_no_vc_check", False) else 0
+    group = saved_value_group
 
     # the backward takes the symbolic ints first, then the other saved values in forward order
     syms = [n for n in saved if group(n) == 3]
@@ -345,6 +337,18 @@ def order_saved_values(fw_module, bw_module, num_fwd_outputs: int) -> None:
         after.prepend(taken[i])
     bw_module.graph.lint()
     bw_module.recompile()
+
+
+def saved_value_group(node) -> int:
+    """Where AOTAutograd slices a saved value: 0 a tensor checked for version changes, 1 one not
+    checked, 2 an opaque object, 3 a symbolic int (``order_saved_values``)."""
+    from torch._functorch.partitioners import is_sym_node
+
+    if is_sym_node(node):
+        return 3
+    if is_opaque_node(node):
+        return 2
+    return 1 if node.meta.get("saved_tensor_with_no_vc_check", False) else 0
 
 
 def is_opaque_node(node) -> bool:

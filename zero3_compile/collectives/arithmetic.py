@@ -168,6 +168,16 @@ def reduce_copy_out(
     return shards
 
 
+def secondary_slice(full: torch.Tensor, numel: int, index: int) -> torch.Tensor:
+    """Elements ``[index * numel, (index + 1) * numel)`` of a full parameter, flat and padded
+    like a gathered buffer (zeros past its end), in memory of their own: a secondary shard
+    (ZeRO++'s hpZ, ``compiler/secondary.py``), what an all-gather over a node's ranks takes in."""
+    flat = full.reshape(-1)
+    start = min(index * numel, flat.numel())
+    taken = flat.narrow(0, start, min(flat.numel(), start + numel) - start)
+    return _padded(taken, numel).clone(memory_format=torch.contiguous_format)
+
+
 def single_rank_gather(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """World size 1: the shard is the full parameter; only the dtype may change."""
     return cast(shard, dtype)

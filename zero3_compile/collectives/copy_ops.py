@@ -55,10 +55,21 @@ def _reduce_copy_out_fake(reduced, sizes, numels, divisor, dtype):
     return [reduced.new_empty(numel, dtype=dtype) for numel in numels]
 
 
+@torch.library.custom_op("zero3::secondary_slice", mutates_args=())
+def secondary_slice(full: torch.Tensor, numel: int, index: int) -> torch.Tensor:
+    return arithmetic.secondary_slice(full, numel, index)
+
+
+@secondary_slice.register_fake
+def _secondary_slice_fake(full, numel, index):
+    return full.new_empty(numel)
+
+
 GATHER_COPY_IN = torch.ops.zero3.gather_copy_in.default
 GATHER_COPY_OUT = torch.ops.zero3.gather_copy_out.default
 REDUCE_COPY_IN = torch.ops.zero3.reduce_copy_in.default
 REDUCE_COPY_OUT = torch.ops.zero3.reduce_copy_out.default
+SECONDARY_SLICE = torch.ops.zero3.secondary_slice.default
 
 
 # Quantization (compressed collectives, ``quantize.py``): fixed operations in every graph, fused

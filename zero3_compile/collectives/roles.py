@@ -19,3 +19,4 @@ REPLICA_WAIT = "replica_wait"
 # mesh): the signatures and the cross-rank check compare these
 GROUP_SHARD = "shard"
 GROUP_REPLICATE = "replicate"
+GROUP_NODE = "node"  # a node's ranks of the shard group (hpZ's secondary shards)

@@ -16,6 +16,8 @@ cast, copy-in, collective, copy-out and division exist once, for both.
 - ``AllGather``: padded shards all-gathered over the shard group.
 - ``QuantizedAllGather`` (ZeRO++'s qwZ): the bucket travels as blockwise integers and their
   scales (``quantize.py``), quantized after the copy-in, dequantized before the copy-out.
+- ``SecondaryAllGather`` (ZeRO++'s hpZ): the backward's re-gather of the secondary shards the
+  forward kept, over a node's ranks only (``compiler/secondary.py``).
 - ``LocalCast``: one rank: the shard is the parameter, cast to the compute dtype.
 - ``ReduceScatter``: a sum reduce-scatter over the shard group, then the division by N;
   ``HybridReduce`` adds a sum all-reduce of the reduced shards over the replicate group (hybrid
@@ -107,6 +109,8 @@ class AllGather(GatherScheme):
     world_size: int = 1
     traced_copies: bool = False
 
+    group_role: ClassVar[str] = roles.GROUP_SHARD
+
     def key(self) -> tuple:
         return (*super().key(), self.group, self.world_size, self.traced_copies)
 
@@ -124,7 +128,7 @@ class AllGather(GatherScheme):
     def issue(self, emit, payloads):
         (flat,) = payloads
         gathered = emit.collective(
-            roles.ALL_GATHER, roles.GROUP_SHARD, ALL_GATHER_OP, flat, self.world_size, self.group
+            roles.ALL_GATHER, self.group_role, ALL_GATHER_OP, flat, self.world_size, self.group
         )
         return [gathered]
 
@@ -177,6 +181,15 @@ class QuantizedAllGather(AllGather):
 
 
 @dataclass(frozen=True)
+class SecondaryAllGather(AllGather):
+    """hpZ: the backward's re-gather of secondary shards (``compiler/secondary.py``) over a
+    node's ranks of the shard group; the gathered buffer is the primary gather's, so copy-in and
+    copy-out are ``AllGather``'s with the node's world size."""
+
+    group_role: ClassVar[str] = roles.GROUP_NODE
+
+
+@dataclass(frozen=True)
 class LocalCast(GatherScheme):
     """One rank: the shard is the full parameter; only the dtype may change."""
 
@@ -208,6 +221,8 @@ def gather_scheme(
     dtype = spec.gather_dtype(shard_dtype)
     if spec.world_size == 1:
         return LocalCast(dtype)
+    if spec.primary_size:
+        return SecondaryAllGather(dtype, spec.group, spec.world_size, traced_copies)
     if quantization is not None and dtype.is_floating_point:
         return QuantizedAllGather(dtype, spec.group, spec.world_size, traced_copies, quantization)
     return AllGather(dtype, spec.group, spec.world_size, traced_copies)

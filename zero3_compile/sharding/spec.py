@@ -64,6 +64,10 @@ class ShardSpec:
     offloaded: the shard lives in an offload store between uses (``offload/``).
     grads_offloaded: its reduced gradient goes to the model's gradient spool
         (``offload/grads.py``).
+    primary_size: 0, or this spec describes a secondary shard (ZeRO++'s hpZ, see
+        [Note: secondary shards] in ``compiler/secondary.py``): the parameter is sharded over
+        ``primary_size`` ranks, and ``group`` / ``world_size`` are a node's ranks of that shard
+        group, each holding ``primary_size // world_size`` consecutive primary shards (padded).
     """
 
     fqn: str
@@ -76,6 +80,7 @@ class ShardSpec:
     reduce_dtype: torch.dtype | None = None
     offloaded: bool = False
     grads_offloaded: bool = False
+    primary_size: int = 0
 
     # ------------------------------------------------------------------ geometry
 
@@ -89,6 +94,8 @@ class ShardSpec:
 
     @property
     def rows_per_rank(self) -> int:
+        if self.primary_size:  # whole primary shards: the gathered buffer is the primary one
+            return -(-self.dim0 // self.primary_size) * (self.primary_size // self.world_size)
         return -(-self.dim0 // self.world_size)
 
     @property

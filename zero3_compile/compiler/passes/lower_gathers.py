@@ -10,6 +10,7 @@ from ...collectives.arithmetic import gather_bytes
 from ...collectives.ops import RELOAD, UNSHARD
 from ...collectives.schemes import gather_scheme
 from ...compat import WAIT
+from ...sharding.nodes import shard_group_of
 from ..buckets import BucketRecord, GraphEmit, add_record
 from ..context import PassContext
 from ..graph_facts import is_view
@@ -162,7 +163,7 @@ def _emit_bucket(
         index=index,
         params=tuple(s.fqn for s in specs),
         scheme=type(scheme).__name__,
-        groups=(specs[0].group, specs[0].replicate_group),
+        groups=(shard_group_of(specs[0].group), specs[0].replicate_group),  # the mesh
         full_bytes=gather_bytes(specs, scheme.dtype) if scheme.compresses else None,
     )
     emit = GraphEmit(gm.graph, record, source=members[0])

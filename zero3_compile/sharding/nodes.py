@@ -1,0 +1,71 @@
+"""The node-local groups of a shard group: where ZeRO++'s secondary shards (hpZ) are gathered.
+
+A node's ranks are consecutive global ranks (``torchrun`` numbers them so), and so are the
+members of a shard group that live on one node: the shard group's ranks, split into runs of
+``ranks_per_node``. Each run is one node group; a rank's index in it says which slice of the
+gathered parameters it keeps (``compiler/secondary.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..compat import resolve_group
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    name: str  # the process group's name, as graphs name it
+    size: int  # ranks of the shard group on this node
+    index: int  # this rank's index among them
+    shard_group: str  # the shard group it is a part of
+
+
+_GROUPS: dict[tuple[str, int], NodeGroup] = {}
+_SHARD_GROUP_OF: dict[str, str] = {}
+
+
+def ranks_per_node(secondary_shard: str | int) -> int:
+    """The ``secondary_shard`` option as a count of ranks: ``"node"`` reads torchrun's
+    ``LOCAL_WORLD_SIZE``; an int is taken as it is (a node's share of the shard group)."""
+    if secondary_shard != "node":
+        return int(secondary_shard)
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if not value:
+        raise ValueError(
+            "zero3: option secondary_shard='node' needs LOCAL_WORLD_SIZE (set by torchrun) to "
+            "know how many ranks share a node; launch with torchrun, or give the count: "
+            "secondary_shard=<ranks per node>"
+        )
+    return int(value)
+
+
+def node_group(shard_group: str, size: int) -> NodeGroup:
+    """This rank's node group of the shard group named ``shard_group``, created on first use by
+    the ranks of that node only (the other nodes create theirs at the same point of their
+    compile: every rank of a shard group compiles the same graphs)."""
+    key = (shard_group, size)
+    if key in _GROUPS:
+        return _GROUPS[key]
+    ranks = dist.get_process_group_ranks(resolve_group(shard_group))
+    if size < 2 or len(ranks) % size or size >= len(ranks):
+        raise ValueError(
+            f"zero3: option secondary_shard={size} must divide the shard group's {len(ranks)} "
+            "ranks into two or more nodes of two or more ranks (with one node, backward's "
+            "all-gathers already stay on it; drop the option)"
+        )
+    position = ranks.index(dist.get_rank())
+    first = position - position % size
+    members = ranks[first : first + size]
+    group = dist.new_group(members, use_local_synchronization=True)
+    _GROUPS[key] = NodeGroup(group.group_name, size, position - first, shard_group)
+    _SHARD_GROUP_OF[group.group_name] = shard_group
+    return _GROUPS[key]
+
+
+def shard_group_of(group: str) -> str:
+    """The shard group a node group belongs to; any other group is its own."""
+    return _SHARD_GROUP_OF.get(group, group)
