@@ -45,6 +45,7 @@ from ..compat import (
 )
 from ..runtime.gate import GatedCall
 from ..runtime.guard import DEFAULT_TIMEOUT_S
+from ..sharding.nodes import node_group, ranks_per_node
 from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
@@ -57,6 +58,7 @@ from .passes.bind import bind_markers
 from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
 from .recording import GraphRecord
+from .secondary import keep_secondary_shards
 from .signature import check_generated_order, collective_signature, describe_signature
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ def zero3_backend(
         gm.recompile()
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
     ctx.gradient_dependencies.update(output_dependencies(gm))
-    ctx.group_names = _group_names(gm, example_inputs)
+    ctx.group_names = _group_names(gm, example_inputs, opts)
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     if opts.codegen == "eager":
@@ -116,10 +118,18 @@ def _sharded_states(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list:
     return [s for s in (state_of(t) for t in candidates) if s is not None]
 
 
-def _group_names(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[str, ...]:
+def _group_names(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
+) -> tuple[str, ...]:
+    """The process groups the graphs' collectives will name; hpZ's node groups are created here
+    (by every rank of a shard group, at the same point of the same compile)."""
     names = set()
     for state in _sharded_states(gm, example_inputs):
         names.update(n for n in (state.spec.group, state.spec.replicate_group) if n)
+        if opts.secondary_shard is not None and opts.reshard_after_forward:
+            if state.spec.world_size > 1:
+                size = ranks_per_node(opts.secondary_shard)
+                names.add(node_group(state.spec.group, size).name)
     return tuple(sorted(names))
 
 
@@ -216,6 +226,7 @@ class Zero3Partitioner(partitioner_base()):
         fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
         if options.reshard_after_forward:
             check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"], kept)
+            keep_secondary_shards(fw_module, bw_module, kwargs["num_fwd_outputs"], options)
         return fw_module, bw_module
 
     def __reduce__(self):

@@ -65,6 +65,13 @@ class Options:
         qgZ), instead of a reduce-scatter (hybrid sharding: within the row; the replicas'
         all-reduce stays uncompressed). None (default): off.
     quantization_block: elements per float32 scale of both (a multiple of 8; default 256).
+    secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
+        gathered parameter, this node's share of it (1/k of it on each of a node's k ranks,
+        held until backward), and the backward re-gathers it from the node's ranks only, never
+        across nodes. "node" takes k from torchrun's ``LOCAL_WORLD_SIZE``. Exact (the same
+        values, bit for bit); with ``weight_quantization`` the kept values are the forward's
+        dequantized ones. The memory budget and ``explain`` count the kept shares. None
+        (default): off.
     """
 
     codegen: str = "inductor"
@@ -84,6 +91,7 @@ class Options:
     weight_quantization: str | None = None
     gradient_quantization: str | None = None
     quantization_block: int = 256
+    secondary_shard: str | int | None = None
 
     @property
     def bucket_bytes(self) -> int:
@@ -191,6 +199,16 @@ class Options:
             raise ValueError(
                 "zero3: option quantization_block must be a positive multiple of 8 (int4 packs "
                 f"two per byte and each row's scales stay 4-byte aligned), got {block!r}"
+            )
+        node = self.secondary_shard
+        if (
+            node is not None
+            and node != "node"
+            and not (isinstance(node, int) and not isinstance(node, bool) and node >= 2)
+        ):
+            raise ValueError(
+                "zero3: option secondary_shard must be 'node', a count of ranks per node >= 2, "
+                f"or None, got {node!r}"
             )
         if self.sync_timeout_s is not None and not (
             _number(self.sync_timeout_s) and self.sync_timeout_s > 0

@@ -36,6 +36,7 @@ from .graph_facts import shard_inputs
 from .graph_utils import copy_graph_module, save_waited
 from .markers import ReduceGradCall, UnshardCall
 from .memory import memory_timeline
+from .secondary import keep_secondary_shards
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ def estimate_step_peak(joint, joint_inputs, kwargs, ctx: PassContext, keep: set[
     fw, bw = min_cut_partition(copy, joint_inputs, **kwargs)
     order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
     save_waited(fw, kwargs["num_fwd_outputs"])
+    keep_secondary_shards(fw, bw, kwargs["num_fwd_outputs"], ctx.options)
     quiet = dataclasses.replace(ctx.options, verify=False, dump_dir=None)
     scheduling = [p for p in FORWARD_PASSES if p.__name__ != "insert_guard"]
     run_pipeline(fw, PassContext(options=quiet, graph_kind="forward"), scheduling)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
+from ...collectives.copy_ops import SECONDARY_SLICE
 from ...compat import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -81,6 +82,7 @@ class SavedTensor:
     shape: list[int]
     dtype: str
     bytes: int
+    secondary: bool = False  # a secondary shard (hpZ), re-gathered within the node by backward
 
 
 @dataclass
@@ -167,7 +169,14 @@ class GraphReport:
             )
         if self.kind == "forward":
             total = sum(s.bytes for s in self.saved)
-            lines.append(f"   saved for backward: {len(self.saved)} tensors, {total / mib:.3f} MiB")
+            line = f"   saved for backward: {len(self.saved)} tensors, {total / mib:.3f} MiB"
+            secondary = [s for s in self.saved if s.secondary]
+            if secondary:
+                line += (
+                    f", of which {len(secondary)} secondary shards (hpZ) "
+                    f"{sum(s.bytes for s in secondary) / mib:.3f} MiB"
+                )
+            lines.append(line)
         if self.budget is not None:
             lines.append("   " + budget_summary(self.budget))
             for kept in self.budget["kept"]:
@@ -329,7 +338,11 @@ def build_report(record: GraphRecord) -> GraphReport:
         report.budget = record.budget.to_dict()
     report.saved = [
         SavedTensor(
-            n.name, list(n.meta["val"].shape), str(n.meta["val"].dtype), _nbytes(n.meta["val"])
+            n.name,
+            list(n.meta["val"].shape),
+            str(n.meta["val"].dtype),
+            _nbytes(n.meta["val"]),
+            secondary=n.target is SECONDARY_SLICE,
         )
         for n in record.saved
         if isinstance(n.meta.get("val"), torch.Tensor)
