@@ -6,6 +6,7 @@ the bytes ``explain`` reports."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -193,6 +194,8 @@ COMPRESSED = {
     "qgz8": {"gradient_quantization": "int8"},
     "qgz4": {"gradient_quantization": "int4"},
     "both": {"weight_quantization": "int8", "gradient_quantization": "int8"},
+    "hpz": {"secondary_shard": 2},
+    "hpz_qwz": {"secondary_shard": 2, "weight_quantization": "int8"},
 }
 
 
@@ -248,6 +251,7 @@ def llama_explained(rank, world, name):
     }
     groups = {g.kind: g.group_full_bytes for g in report.graphs}
     errors = {g.kind: [info.quantization_error for info in g.gathers] for g in report.graphs}
+    forward = next(g for g in report.graphs if g.kind == "forward")
     losses, ref_losses = _train_llama(step, model, reference, tokens, targets, rank, world)
     return {
         "graphs": graphs,
@@ -257,6 +261,9 @@ def llama_explained(rank, world, name):
         "losses": losses,
         "ref_losses": ref_losses,
         "numel": sum(p.numel() for p in reference.parameters()),
+        "secondary_bytes": sum(t.bytes for t in forward.saved if t.secondary),
+        "peak": report.estimated_step_peak_bytes,
+        "shards": [p.to_local().detach().clone() for p in model.parameters()],
     }
 
 
@@ -287,15 +294,35 @@ def hybrid(rank, world, name):
     }
 
 
+def hpz_errors(rank, world):
+    """Compiles that must fail on every rank (no hang) with an error naming the fix."""
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    torch.manual_seed(0)
+    config = TinyLlamaConfig(dim=32, hidden=64, n_layers=1)
+    tokens, _ = llama_batch(2, config, seed=0)
+    messages = []
+    for value in (3, 4, "node"):
+        torch._dynamo.reset()
+        model = z3.shard(TinyLlama(config))
+        options = {"codegen": "eager", "secondary_shard": value}
+        try:
+            torch.compile(model, backend="zero3", options=options)(tokens)
+            messages.append(None)
+        except Exception as error:  # noqa: BLE001 - dynamo wraps the backend's error
+            messages.append(str(error))
+    return messages
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
 
 
-GPT_CASES = [("gpt", name, "eager") for name in COMPRESSED if name != "both"]
+GPT_CASES = [("gpt", name, "eager") for name in ("none", "qwz", "qgz8", "qgz4")]
 GPT_CASES += [("gpt", "both", "inductor")]
-LLAMA_CASES = [("llama_explained", name) for name in ("none", "qwz", "qgz8", "qgz4")]
-HYBRID_CASES = [("hybrid", "none"), ("hybrid", "qgz8")]
+NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
+LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
+HYBRID_CASES = [("hybrid", "none"), ("hybrid", "qgz8"), ("hpz_errors",)]
 
 
 @functools.cache
@@ -394,3 +421,83 @@ def test_hybrid_sharding_reduces_quantized_within_a_row_then_across_replicas():
         reduced, base_reduced = ours["backward"]["all_reduce"][0], base["backward"]["all_reduce"][0]
         buckets = ours["all_reduces"]
         assert base_reduced <= reduced <= base_reduced + buckets * 64 * 4
+
+
+# ---------------------------------------------------------------- hpZ: secondary shards
+
+
+@pytest.mark.parametrize("dim0", [1, 5, 8, 13])
+def test_secondary_shards_gather_to_the_primary_gathered_buffer(dim0):
+    """N = 4 primary shards, nodes of k = 2: each node rank's secondary slice of the full
+    parameter holds its two primary shards (padded); the k slices gathered are the N padded
+    primary shards gathered, so the same copy-out gives the parameter."""
+    from dataclasses import replace
+
+    from zero3_compile.collectives import arithmetic
+
+    full = torch.randn(dim0, 3)
+    primary = spec_of_shape(full.shape, 4)
+    secondary = replace(primary, group="node", world_size=2, primary_size=4)
+    gathered = torch.cat(
+        [arithmetic.gather_copy_in([_shard(full, 4, r)], [primary.padded_numel], full.dtype)
+         for r in range(4)]
+    )  # fmt: skip
+    slices = [arithmetic.secondary_slice(full, secondary.padded_numel, i) for i in range(2)]
+    assert all(s.numel() == 2 * primary.padded_numel for s in slices)
+    assert torch.equal(torch.cat(slices), gathered)
+    (back,) = arithmetic.gather_copy_out(torch.cat(slices), [secondary])
+    assert torch.equal(back, full)
+    assert slices[0].data_ptr() != full.data_ptr()  # its own memory: the full one may die
+
+
+def test_secondary_shard_option_is_validated_with_the_fix():
+    for value in (1, 0, "nodes", 2.0, True):
+        with pytest.raises(ValueError, match="secondary_shard must be 'node'"):
+            z3.Options.from_dict({"secondary_shard": value})
+
+
+def test_hpz_is_bit_identical_to_no_hpz_and_backward_gathers_within_the_node():
+    """4 gloo ranks in nodes of 2: the same losses and parameters, bit for bit, as without hpZ;
+    the backward's all-gathers run on the node group only (none over the shard group) and carry
+    the same bytes; the secondary shards are half of what backward gathers, held from forward to
+    backward, and the estimated step peak counts them."""
+    out = llama_results()
+    for ours, plain in zip(out[("llama_explained", "hpz")], out[("llama_explained", "none")]):
+        assert ours["losses"] == plain["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["shards"], plain["shards"]))
+        groups = ours["groups"]["backward"]
+        assert "all_gather" not in groups.get("shard", {})
+        assert groups["node"]["all_gather"] == plain["groups"]["backward"]["shard"]["all_gather"]
+        assert ours["graphs"]["forward"] == plain["graphs"]["forward"]
+        assert plain["secondary_bytes"] == 0
+        # each rank keeps 1/k of what the backward gathers (the embedding's gradient needs no
+        # weight: it has none), padded as the gathered buffer
+        assert ours["secondary_bytes"] * 2 == groups["node"]["all_gather"]
+        assert ours["peak"] >= plain["peak"] + ours["secondary_bytes"] // 2
+        assert "secondary shards (hpZ)" in ours["text"]
+
+
+def test_hpz_with_quantized_weights_regathers_the_forward_values_within_the_node():
+    """hpZ with qwZ: the forward's int8 gathers as before; the backward re-gathers, within the
+    node, the dequantized values the forward used; training stays in qwZ's band."""
+    out = llama_results()
+    runs = zip(out[("llama_explained", "hpz_qwz")], out[("llama_explained", "qwz")])
+    for ours, qwz in runs:
+        assert ours["graphs"]["forward"] == qwz["graphs"]["forward"]
+        assert "all_gather" not in ours["groups"]["backward"].get("shard", {})
+        for loss, base in zip(ours["losses"], qwz["losses"]):
+            assert abs(loss - base) <= LLAMA_LOSS_BAND["qwz"] * base
+
+
+def test_hpz_gpt_under_inductor_matches_eager_training():
+    for ours in llama_results()[("gpt", "hpz", "inductor")]:
+        assert max(ours["grad_errors"]) <= 1e-5
+        assert ours["losses"] == pytest.approx(ours["ref_losses"], rel=1e-5)
+
+
+def test_hpz_refuses_a_node_size_that_does_not_fit_the_shard_group():
+    for messages in llama_results()[("hpz_errors",)]:
+        bad, whole, node = messages
+        assert "secondary_shard=3 must divide" in bad
+        assert "secondary_shard=4 must divide" in whole and "drop the option" in whole
+        assert "LOCAL_WORLD_SIZE" in node and "torchrun" in node
