@@ -564,6 +564,21 @@ def test_a_deepspeed_zero3_config_is_translated():
     assert any("stage3_param_persistence_threshold" in note for note in out.notes)
 
 
+def test_a_deepspeed_zero_plus_plus_config_becomes_the_compression_options():
+    from zero3_compile import hf as z3hf
+
+    zero = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+            "zero_quantized_gradients": True}  # fmt: skip
+    out = z3hf.translate_deepspeed_config({"zero_optimization": zero}, on_gpu=False)
+    assert out.options == {
+        "secondary_shard": 8,
+        "weight_quantization": "int8",
+        "gradient_quantization": "int4",
+    }
+    off = {"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": False}
+    assert z3hf.translate_deepspeed_config({"zero_optimization": off}, on_gpu=False).options == {}
+
+
 def test_a_deepspeed_fp16_config_becomes_dynamic_loss_scaling():
     from zero3_compile import hf as z3hf
 
@@ -596,7 +611,7 @@ def test_a_deepspeed_fp16_config_becomes_dynamic_loss_scaling():
             },
             "choose one",
         ),
-        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "hpZ"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": "8"}}, "zero_hpz"),
         ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lamb"}}, "optim=..."),
     ],
 )

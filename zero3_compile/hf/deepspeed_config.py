@@ -57,15 +57,14 @@ _TOP_NOTES = {
     "comms_logger": "use z3.explain for the collectives",
     "dump_state": "not translated",
 }
+# ZeRO++: hpZ's partition size (ranks per node), qwZ, qgZ (DeepSpeed's qgZ sends int4)
+_ZERO_PLUS_PLUS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
 _UNSUPPORTED = {
-    "zero_hpz_partition_size": "hpZ (ZeRO++) is not supported yet",
-    "zero_quantized_weights": "qwZ (ZeRO++) is not supported yet",
-    "zero_quantized_gradients": "qgZ (ZeRO++) is not supported yet",
     "mics_shard_size": "MiCS is not supported; use a hybrid mesh (z3.shard(mesh=...))",
 }
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "stage3_prefetch_bucket_size",
               "stage3_max_live_parameters", "offload_param", "offload_optimizer",
-              *_BY_CONSTRUCTION, *_UNSUPPORTED}  # fmt: skip
+              *_ZERO_PLUS_PLUS, *_BY_CONSTRUCTION, *_UNSUPPORTED}  # fmt: skip
 _TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "train_batch_size",
              "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
              "scheduler", *_TOP_NOTES}  # fmt: skip
@@ -132,6 +131,18 @@ def _zero(zero: dict | None, out: Translated, on_gpu: bool) -> None:
     for key, why in _UNSUPPORTED.items():
         if zero.get(key) not in (None, False, 0, 1):
             raise ValueError(f"zero3: zero_optimization.{key}: {why}")
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if not (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz >= 1):
+        raise ValueError(
+            f"zero3: zero_optimization.zero_hpz_partition_size must be a count of ranks >= 1, "
+            f"got {hpz!r}"
+        )
+    if hpz > 1:
+        out.options["secondary_shard"] = hpz
+    if zero.get("zero_quantized_weights"):
+        out.options["weight_quantization"] = "int8"
+    if zero.get("zero_quantized_gradients"):
+        out.options["gradient_quantization"] = "int4"
     for key in sorted(set(zero) & set(_BY_CONSTRUCTION)):
         out.notes.append(f"zero_optimization.{key}: {_BY_CONSTRUCTION[key]}")
     bucket = zero.get("reduce_bucket_size", "auto")
