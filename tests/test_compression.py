@@ -313,6 +313,62 @@ def hpz_errors(rank, world):
     return messages
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def hpz_variant(rank, world, variant, name, layers=2, steps=3):
+    """The tiny Llama with or without hpZ (``name``), ``variant``: "ckpt" (each block
+    activation-checkpointed), "offload" (shards on disk), "bf16" (mixed precision), "hybrid"
+    (a (replicate 2, shard world/2) mesh). Losses, full parameters (rank 0), backward bytes per
+    group and shard reads."""
+    import tempfile
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    config = TinyLlamaConfig(dim=32, hidden=64, n_layers=layers)
+    model = TinyLlama(config)
+    kwargs: dict = {}
+    folder = tempfile.TemporaryDirectory()
+    if variant == "ckpt":
+        model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
+    elif variant == "offload":
+        kwargs["offload"] = z3.Offload(params="disk", path=folder.name)
+    elif variant == "bf16":
+        kwargs["mp_policy"] = z3.MixedPrecision(param_dtype=torch.bfloat16)
+    elif variant == "hybrid":
+        shape = (2, world // 2)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = z3.shard(model, **kwargs)
+    options = {"codegen": "eager", **COMPRESSED[name]}
+    step = torch.compile(model, backend="zero3", options=options)
+    tokens, targets = llama_batch(2 * world, config, seed=0)
+    report = z3.explain(step, tokens[:2])
+    backward = next(g for g in report.graphs if g.kind == "backward")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = llama_loss(step, (tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = z3.full_state_dict(model)
+    folder.cleanup()
+    return {
+        "losses": losses,
+        "params": params,
+        "groups": backward.group_bytes,
+        "backward_reloads": len(backward.reloads),
+    }
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -323,6 +379,7 @@ GPT_CASES += [("gpt", "both", "inductor")]
 NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
 LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
 HYBRID_CASES = [("hybrid", "none"), ("hybrid", "qgz8"), ("hpz_errors",)]
+HPZ_VARIANTS = [("hpz_variant", v, n) for v in ("ckpt", "offload", "bf16") for n in ("none", "hpz")]
 
 
 @functools.cache
@@ -332,7 +389,7 @@ def gpt_results():
 
 @functools.cache
 def llama_results():
-    return run_scenarios(_scenario, 4, LLAMA_CASES + HYBRID_CASES, timeout=900)
+    return run_scenarios(_scenario, 4, LLAMA_CASES + HYBRID_CASES + HPZ_VARIANTS, timeout=900)
 
 
 # loss over 3 AdamW steps, relative to the uncompressed run's; gradients of the first step
@@ -501,3 +558,43 @@ def test_hpz_refuses_a_node_size_that_does_not_fit_the_shard_group():
         assert "secondary_shard=3 must divide" in bad
         assert "secondary_shard=4 must divide" in whole and "drop the option" in whole
         assert "LOCAL_WORLD_SIZE" in node and "torchrun" in node
+
+
+@pytest.mark.parametrize("variant", ["ckpt", "offload", "bf16"])
+def test_hpz_is_bit_identical_with_checkpointing_offload_and_mixed_precision(variant):
+    """Activation-checkpointed blocks (their markers are traced unnamed: secondary shards are
+    matched by shard, not by name), shards offloaded to disk (the backward then reads none),
+    bf16 compute (the secondary shards are bf16)."""
+    out = llama_results()
+    runs = zip(out[("hpz_variant", variant, "hpz")], out[("hpz_variant", variant, "none")])
+    assert out[("hpz_variant", variant, "hpz")][0]["params"]  # rank 0 holds the full ones
+    for ours, plain in runs:
+        assert ours["losses"] == plain["losses"]
+        assert ours["params"].keys() == plain["params"].keys()
+        assert all(torch.equal(ours["params"][k], plain["params"][k]) for k in ours["params"])
+        assert "all_gather" not in ours["groups"].get("shard", {})
+        assert ours["groups"]["node"]["all_gather"] == plain["groups"]["shard"]["all_gather"]
+        if variant == "offload":
+            assert plain["backward_reloads"] > 0 and ours["backward_reloads"] == 0
+
+
+@functools.cache
+def hybrid_hpz_results():
+    cases = [("hpz_variant", "hybrid", name, 1, 2) for name in ("none", "hpz")]
+    return run_scenarios(_scenario, 8, cases, timeout=900)
+
+
+def test_hpz_on_a_hybrid_mesh_is_bit_identical_and_gathers_within_the_node():
+    """(replicate 2, shard 4) on 8 ranks, nodes of 2 ranks of each shard group: the backward
+    gathers within the node, the gradients still reduce over the shard group and all-reduce
+    across replicas, and training is bit-identical to without hpZ."""
+    out = hybrid_hpz_results()
+    runs = zip(
+        out[("hpz_variant", "hybrid", "hpz", 1, 2)], out[("hpz_variant", "hybrid", "none", 1, 2)]
+    )
+    for ours, plain in runs:
+        assert ours["losses"] == plain["losses"]
+        assert all(torch.equal(ours["params"][k], plain["params"][k]) for k in ours["params"])
+        assert ours["groups"]["node"]["all_gather"] == plain["groups"]["shard"]["all_gather"]
+        assert "all_gather" not in ours["groups"]["shard"]
+        assert ours["groups"]["replicate"] == plain["groups"]["replicate"]

@@ -62,10 +62,10 @@ def keep_secondary_shards(
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     anchor = placeholders[syms + checked] if syms + checked < len(placeholders) else None
     kept = 0
-    for fqn, markers in backward.items():
-        if fqn not in forward:
+    for shard, markers in backward.items():
+        if shard not in forward:
             continue
-        primary = forward[fqn][0]
+        primary = forward[shard][0]
         spec = UnshardCall.of(primary).spec
         if spec.world_size == 1 or spec.primary_size:
             continue
@@ -111,9 +111,14 @@ def keep_secondary_shards(
 
 
 def _markers(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """Each parameter's ``unshard`` markers that something reads, in graph order."""
+    """The ``unshard`` markers that something reads, in graph order, by the name of the node
+    their shard is: one node of the joint graph, so the same name in the forward and in the
+    backward (saved, or recomputed there). Not by the spec's name: a marker traced inside an
+    activation-checkpointed region has none."""
     found: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is UNSHARD and node.users:
-            found.setdefault(UnshardCall.of(node).spec.fqn, []).append(node)
+            shard = UnshardCall.of(node).shard
+            if isinstance(shard, fx.Node):
+                found.setdefault(shard.name, []).append(node)
     return found
