@@ -6,6 +6,8 @@ the bytes ``explain`` reports."""
 from __future__ import annotations
 
 import functools
+import re
+import json
 import os
 
 import pytest
@@ -366,6 +368,8 @@ def hpz_variant(rank, world, variant, name, layers=2, steps=3):
         "params": params,
         "groups": backward.group_bytes,
         "backward_reloads": len(backward.reloads),
+        "gathered": sorted({p for g in report.graphs for b in g.gathers for p in b.params}),
+        "json": json.dumps(report.to_dict()),
     }
 
 
@@ -576,6 +580,10 @@ def test_hpz_is_bit_identical_with_checkpointing_offload_and_mixed_precision(var
         assert ours["groups"]["node"]["all_gather"] == plain["groups"]["shard"]["all_gather"]
         if variant == "offload":
             assert plain["backward_reloads"] > 0 and ours["backward_reloads"] == 0
+        if variant == "ckpt":  # the markers inside the checkpointed blocks are bound too
+            assert "" not in ours["gathered"]
+            assert "layers.1.inner.attention.wq.weight" in ours["gathered"]
+            assert re.search(r'"shape": \["s\d+"\]', ours["json"])  # a saved RNG state's size
 
 
 @functools.cache

@@ -209,7 +209,25 @@ def _names(params: list[str], limit: int = 3) -> str:
 
 
 def _nbytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    """Bytes of a value; a symbolic size (a saved RNG state's) counts at its hint."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return _concrete(val.numel()) * val.element_size()
+
+
+def _concrete(size) -> int:
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size.node.hint) if size.node.hint is not None else 0
+    except AttributeError:
+        return 0
+
+
+def _plain_shape(val) -> list:
+    """A shape the report can hold (and copy, and write as JSON): ints, and a symbolic size as
+    its expression."""
+    return [d if isinstance(d, int) else str(d) for d in val.shape]
 
 
 def build_report(record: GraphRecord) -> GraphReport:
@@ -339,7 +357,7 @@ def build_report(record: GraphRecord) -> GraphReport:
     report.saved = [
         SavedTensor(
             n.name,
-            list(n.meta["val"].shape),
+            _plain_shape(n.meta["val"]),
             str(n.meta["val"].dtype),
             _nbytes(n.meta["val"]),
             secondary=n.target is SECONDARY_SLICE,
