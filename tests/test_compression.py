@@ -6,9 +6,9 @@ the bytes ``explain`` reports."""
 from __future__ import annotations
 
 import functools
-import re
 import json
 import os
+import re
 
 import pytest
 import torch
