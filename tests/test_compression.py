@@ -253,12 +253,14 @@ def llama_explained(rank, world, name):
     }
     groups = {g.kind: g.group_full_bytes for g in report.graphs}
     errors = {g.kind: [info.quantization_error for info in g.gathers] for g in report.graphs}
+    reduce_errors = [info.quantization_error for g in report.graphs for info in g.reductions]
     forward = next(g for g in report.graphs if g.kind == "forward")
     losses, ref_losses = _train_llama(step, model, reference, tokens, targets, rank, world)
     return {
         "graphs": graphs,
         "groups": groups,
         "errors": errors,
+        "reduce_errors": reduce_errors,
         "text": str(report),
         "losses": losses,
         "ref_losses": ref_losses,
@@ -443,6 +445,18 @@ def test_explain_reports_the_compressed_bytes_per_step():
         assert "relative error max" in r["text"]
     for r in out[("llama_explained", "none")]:
         assert all(e is None for errors in r["errors"].values() for e in errors)
+    for r in out[("llama_explained", "none")] + out[("llama_explained", "qwz")]:
+        assert all(e is None for e in r["reduce_errors"])
+    for r8, r4 in zip(out[("llama_explained", "qgz8")], out[("llama_explained", "qgz4")]):
+        # the first step's reduced shards against the same step reduced exactly, per bucket
+        for r in (r8, r4):
+            assert r["reduce_errors"] and all(e is not None for e in r["reduce_errors"])
+            errors = r["reduce_errors"]
+            assert all(e["mean_relative"] > 0 and e["max_relative"] > 0 for e in errors), errors
+            assert "quantized gradient reductions" in r["text"]
+        assert all(e["max_relative"] < 0.05 for e in r8["reduce_errors"]), r8["reduce_errors"]
+        mean8 = sum(e["mean_relative"] for e in r8["reduce_errors"])
+        assert mean8 < sum(e["mean_relative"] for e in r4["reduce_errors"])  # int4 is coarser
     for name, ratio in (("qgz8", int8), ("qgz4", int4)):
         for r in out[("llama_explained", name)]:
             wire, full = r["graphs"]["backward"]["reduce_scatter"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ...compiler.options import Options
 from ...compiler.recording import record_graphs
 from ...sharding.state import is_sharded
 from .report import GraphReport, budget_summary, build_report, step_peak_bytes
@@ -94,6 +96,11 @@ def explain(
     options are reused unless ``options`` is given), or a function (compiled or not) that runs one. One forward runs, and a backward of
     ``loss_fn(output)`` (default: the sum of the floating-point outputs) when the output requires
     grad; the parameters' gradients are restored afterwards. Every rank must call it.
+
+    With ``gradient_quantization`` the step runs a second time (the same RNG state and buffers),
+    compiled with exact reductions, and each quantized bucket reports its gradients' error
+    against those (``ReduceInfo.quantization_error``); with ``weight_quantization`` each int8
+    all-gather bucket reports its shards' round-trip error (``GatherInfo.quantization_error``).
     """
     from ...compiler.backend import zero3_backend
 
@@ -104,12 +111,17 @@ def explain(
     backend = functools.partial(zero3_backend, options=options)
     compiled = torch.compile(base, backend=backend)
     grads = {p: p.grad for p in _sharded_parameters_of(base)}
+    opts = Options.from_dict(options)
+    exact = None
     try:
+        rng = _rng_state()
+        for param in grads:
+            param.grad = None
         with record_graphs() as records:
-            output = compiled(*args, **kwargs)
-            loss = loss_fn(output) if loss_fn is not None else _sum_floating(output)
-            if loss is not None and loss.requires_grad:
-                loss.backward()
+            _step(compiled, loss_fn, args, kwargs)
+        if opts.gradient_quantization is not None and records:
+            quantized = {p: p.grad for p in grads}
+            exact = _exact_gradients(base, opts, rng, list(grads), loss_fn, args, kwargs)
     finally:
         for param, grad in grads.items():
             param.grad = grad
@@ -122,7 +134,85 @@ def explain(
         )
     report = ExplainReport([build_report(r) for r in records])
     _weight_quantization_errors(report, list(grads), options)
+    if exact is not None:
+        _gradient_quantization_errors(report, quantized, exact)
     return report
+
+
+def _step(compiled, loss_fn, args, kwargs) -> None:
+    output = compiled(*args, **kwargs)
+    loss = loss_fn(output) if loss_fn is not None else _sum_floating(output)
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+
+
+def _exact_gradients(base, opts, rng, params: list, loss_fn, args, kwargs) -> dict:
+    """The same step once more, its gradients reduced without compression (the RNG as the first
+    run found it, the modules' buffers as the first run left them): what the quantized
+    reduction's error is measured against."""
+    from ...compiler.backend import zero3_backend
+
+    modules = [m for m in (base,) if isinstance(m, nn.Module)]
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    exact = dataclasses.replace(opts, gradient_quantization=None, dump_dir=None)
+    compiled = torch.compile(base, backend=functools.partial(zero3_backend, options=exact))
+    for param in params:
+        param.grad = None
+    after = _rng_state()
+    _set_rng_state(rng)
+    try:
+        _step(compiled, loss_fn, args, kwargs)
+    finally:
+        _set_rng_state(after)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return {p: p.grad for p in params}
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _gradient_quantization_errors(report: ExplainReport, quantized: dict, exact: dict) -> None:
+    """Each quantized reduction bucket's error on this rank's reduced gradient shards."""
+    from ...sharding.state import state_of
+
+    by_name = {}
+    for param in quantized:
+        state = state_of(param)
+        if state is not None and quantized[param] is not None and exact[param] is not None:
+            by_name[state.fqn] = (_local(quantized[param]), _local(exact[param]))
+    tiny = torch.finfo(torch.float32).tiny
+    for graph in report.graphs:
+        for reduction in graph.reductions:
+            if reduction.full_bytes == reduction.bytes:
+                continue
+            pairs = [by_name.get(name) for name in reduction.params]
+            if not pairs or any(p is None for p in pairs):
+                continue
+            got = torch.cat([q.float().reshape(-1) for q, _ in pairs])
+            want = torch.cat([e.float().reshape(-1) for _, e in pairs])
+            if want.numel() == 0:
+                continue
+            error = (got - want).abs()
+            reduction.quantization_error = {
+                "max_relative": float(error.max() / want.abs().max().clamp_min(tiny)),
+                "mean_relative": float(error.mean() / want.abs().mean().clamp_min(tiny)),
+            }
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    return (to_local() if to_local is not None else grad).detach()
 
 
 def _weight_quantization_errors(report: ExplainReport, params: list, options) -> None:

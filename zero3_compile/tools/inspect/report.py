@@ -63,6 +63,10 @@ class ReduceInfo:
     wait: int  # its wait_tensor
     compute_overlapped: int  # compute nodes between issue and wait
     full_bytes: int = 0  # ``bytes`` uncompressed (equal to it when not compressed)
+    # compressed: this rank's reduced gradient shards of the first step against the same step
+    # reduced exactly ({"max_relative": max |error| / max |exact|, "mean_relative": mean |error|
+    # / mean |exact|})
+    quantization_error: dict | None = None
 
 
 @dataclass
@@ -160,6 +164,14 @@ class GraphReport:
                     f"                   {r.bucket:>5}  {len(r.params):>6}  {r.bytes / mib:7.3f}  {r.ready:>5}  "
                     f"{r.issue:>5}  {r.wait:>4}  {r.compute_overlapped:>16}   {_names(r.params)}"
                 )
+        errors = [r.quantization_error for r in self.reductions if r.quantization_error]
+        if errors:
+            lines.append(
+                f"   quantized gradient reductions, this rank's first step against an exact one: "
+                f"relative error max {max(e['max_relative'] for e in errors):.2e}, mean "
+                f"{sum(e['mean_relative'] for e in errors) / len(errors):.2e} over "
+                f"{len(errors)} bucket(s)"
+            )
         if self.reloads:
             lines.append(
                 f"   reloads of offloaded shards: {len(self.reloads)}, "
