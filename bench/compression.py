@@ -1,7 +1,8 @@
-"""Compressed collectives (ZeRO++'s qwZ, qgZ): loss curves, bytes per step, modelled step time.
+"""Communication compression (ZeRO++'s qwZ, hpZ, qgZ): loss curves, bytes per step per link
+class, modelled step time.
 
     python bench/compression.py                          # 2 ranks, gpt and llama, 200 steps
-    python bench/compression.py --world 4 --steps 200 --models gpt
+    python bench/compression.py --world 4 --ranks-per-node 2 --steps 200 --models gpt
 
 A byte-level LM (vocab 256) trains on a fixed text corpus that ships with Python
 (``pydoc_data/topics.py``: its help texts), 90% for training and 10% held out, once per
@@ -10,11 +11,19 @@ the mean over ranks), the held-out loss at the end, the bytes one step puts on t
 (from ``explain``: all-gathers and gradient reductions, before and after compression), and the
 step time here (loopback: bytes cost little, so it is not where compression pays).
 
-Modelled step time at 100 and 400 Gbps, for ranks spread one per node (every byte crosses the
-network): ring collectives send (N-1)/N of a buffer's bytes per rank, so
-``comm = (N-1)/N * bytes / bandwidth``; ``compute`` is the measured step time of the same model
-and per-rank batch on one rank (no collective); bounds: ``max(compute, comm)`` (perfect overlap)
-and ``compute + comm`` (none). Writes ``bench/results/compression-<world>.json``.
+The ranks are laid out in nodes of ``--ranks-per-node`` k consecutive ranks (default 1: every
+byte crosses the network); hpZ's settings (``secondary_shard="node"``, k from
+``LOCAL_WORLD_SIZE`` as torchrun sets it) run when 2 <= k < world. Bytes per link class, from
+``explain``'s bytes per group: a collective over a node group (hpZ's backward all-gathers) stays
+within the node; every other one (the shard group, the replicas) crosses nodes.
+
+Modelled step time at 100 and 400 Gbps between nodes (one link per rank, as GPU nodes have one
+NIC per GPU) and 1600 Gbps within a node: ring collectives over G ranks send (G-1)/G of a
+buffer's bytes per rank over the ring's slowest link, so
+``comm = sum (G-1)/G * bytes / bandwidth of the link class``; ``compute`` is the measured step
+time of the same model and per-rank batch on one rank (no collective); bounds:
+``max(compute, comm)`` (perfect overlap) and ``compute + comm`` (none). Writes
+``bench/results/compression-<world>.json``.
 """
 
 from __future__ import annotations
@@ -40,7 +49,15 @@ SETTINGS = {
     "qgZ int8": {"gradient_quantization": "int8"},
     "qgZ int4": {"gradient_quantization": "int4"},
     "qwZ + qgZ int8": {"weight_quantization": "int8", "gradient_quantization": "int8"},
+    "hpZ": {"secondary_shard": "node"},
+    "ZeRO++ (qwZ + hpZ + qgZ int4)": {
+        "weight_quantization": "int8",
+        "secondary_shard": "node",
+        "gradient_quantization": "int4",
+    },
 }
+NODE_ROLE = "node"  # explain's group role of hpZ's node groups
+INTRA_GBPS = 1600
 MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
 SEQ, PER_RANK, LR, EVAL_BATCHES = 64, 8, 3e-3, 16
 
@@ -58,7 +75,7 @@ def batch(data: torch.Tensor, rows: int, gen: torch.Generator):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(rank: int, world: int, model_name: str, setting: str, steps: int) -> dict:
+def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed: int = 0) -> dict:
     import zero3_compile as z3
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -67,10 +84,10 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int) -> d
     split = data.numel() * 9 // 10
     train_data, eval_data = data[:split], data[split:]
     preset = PRESETS[MODELS[model_name]]
-    model = z3.shard(build_model(preset, seed=0, device="cpu"))
+    model = z3.shard(build_model(preset, seed=seed, device="cpu"))
     options = {"codegen": "eager", **SETTINGS[setting]}
     step_model = torch.compile(model, backend="zero3", options=options)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     report = None
     if world > 1:
         x, _ = batch(train_data, PER_RANK, torch.Generator().manual_seed(99))
@@ -104,20 +121,25 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int) -> d
         "step_s": statistics.median(times[min(5, steps - 1) :]),
     }
     if report is not None:
-        wire, full = {}, {}
+        wire, full, groups = {}, {}, {}
         for graph in report["graphs"]:
             for kind, stats in graph["collectives"].items():
                 wire[kind] = wire.get(kind, 0) + stats["bytes"]
                 full[kind] = full.get(kind, 0) + stats.get("full_bytes", stats["bytes"])
-        out["wire_bytes"], out["full_bytes"] = wire, full
+            for role, kinds in graph["group_bytes"].items():
+                groups[role] = groups.get(role, 0) + sum(kinds.values())
+        out["wire_bytes"], out["full_bytes"], out["group_bytes"] = wire, full, groups
     return out
 
 
-def _job(rank: int, world: int, model_name: str, setting: str, steps: int) -> dict:
+def _job(
+    rank: int, world: int, model_name: str, setting: str, steps: int, per_node: int, seed: int = 0
+) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        return train(rank, world, model_name, setting, steps)
+        return train(rank, world, model_name, setting, steps, seed)
     finally:
         dist.destroy_process_group()
 
@@ -127,60 +149,96 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--models", default="gpt,llama")
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default=None, help="default: every one that applies")
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs of the uncompressed setting with seeds 1.. (initialisation and batches) "
+        "beside seed 0: the spread of the held-out loss the settings' differences compare to",
+    )
     args = parser.parse_args()
+    per_node = args.ranks_per_node
+    if args.world % per_node:
+        parser.error("--ranks-per-node must divide --world")
+    hpz = 2 <= per_node < args.world
+    settings = args.settings.split(",") if args.settings else [
+        s for s in SETTINGS if hpz or "secondary_shard" not in SETTINGS[s]
+    ]  # fmt: skip
     log_dir = os.path.join(os.path.dirname(__file__), "out", "compression")
-    results: dict = {"world": args.world, "steps": args.steps, "models": {}}
+    results: dict = {
+        "world": args.world,
+        "ranks_per_node": per_node,
+        "steps": args.steps,
+        "models": {},
+    }
     for model_name in args.models.split(","):
         runs = {}
         compute = run_ranks(
             _job,
             1,
-            (model_name, "none", min(args.steps, 40)),
+            (model_name, "none", min(args.steps, 40), 1),
             log_dir=log_dir,
             name=f"{model_name}-compute",
             timeout_s=1800,
         )[0]["step_s"]
-        for setting in args.settings.split(","):
+        for setting in settings:
             per_rank = run_ranks(
                 _job,
                 args.world,
-                (model_name, setting, args.steps),
+                (model_name, setting, args.steps, per_node),
                 log_dir=log_dir,
                 name=f"{model_name}-{setting}",
                 timeout_s=3600,
             )
             runs[setting] = per_rank[0]
             print(f"{model_name} {setting}: eval {per_rank[0]['eval_loss']:.4f}", flush=True)
+        for seed in range(1, args.seeds):
+            per_rank = run_ranks(
+                _job,
+                args.world,
+                (model_name, "none", args.steps, per_node, seed),
+                log_dir=log_dir,
+                name=f"{model_name}-none-seed{seed}",
+                timeout_s=3600,
+            )
+            runs[f"none, seed {seed}"] = per_rank[0]
         results["models"][model_name] = {"compute_s": compute, "runs": runs}
     _print(results)
     folder = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"compression-{args.world}.json")
+    suffix = f"-{per_node}per-node" if per_node > 1 else ""
+    path = os.path.join(folder, f"compression-{args.world}{suffix}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")
 
 
 def _print(results: dict) -> None:
-    world = results["world"]
-    share = (world - 1) / world
+    world, per_node = results["world"], results.get("ranks_per_node", 1)
     print(
-        f"\n| model | setting | eval loss (vs none) | loss at step {results['steps']} | "
-        "gather MiB/step | reduce MiB/step | step here | modelled 100 Gbps | modelled 400 Gbps |"
+        f"\n{world} ranks, nodes of {per_node}\n\n| model | setting | eval loss (vs none) | loss at "
+        f"step {results['steps']} | gather MiB/step | reduce MiB/step | inter-node MiB/step | "
+        "intra-node MiB/step | step here | modelled 100 Gbps | modelled 400 Gbps |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model_name, entry in results["models"].items():
         base = entry["runs"].get("none")
         compute = entry["compute_s"]
         for setting, run in entry["runs"].items():
-            wire, full = run["wire_bytes"], run["full_bytes"]
+            wire, full, groups = run["wire_bytes"], run["full_bytes"], run["group_bytes"]
             gather = wire.get("all_gather", 0)
             reduce = wire.get("reduce_scatter", 0)
-            total = share * sum(wire.values())
+            intra = groups.get(NODE_ROLE, 0)
+            inter = sum(v for role, v in groups.items() if role != NODE_ROLE)
+            # ring over G ranks: (G-1)/G of the bytes per rank (the shard group spans the world;
+            # hybrid meshes are not benchmarked here)
+            inter_sent = (world - 1) / world * inter
+            intra_sent = (per_node - 1) / per_node * intra if per_node > 1 else 0
             cells = []
             for gbps in (100, 400):
-                comm = total * 8 / (gbps * 1e9)
+                comm = inter_sent * 8 / (gbps * 1e9) + intra_sent * 8 / (INTRA_GBPS * 1e9)
                 cells.append(f"{max(compute, comm) * 1e3:.1f}-{(compute + comm) * 1e3:.1f} ms")
             delta = (
                 ""
@@ -191,6 +249,7 @@ def _print(results: dict) -> None:
                 f"| {model_name} | {setting} | {run['eval_loss']:.4f}{delta} | "
                 f"{run['losses'][-1]:.4f} | {gather / 2**20:.3f} ({full.get('all_gather', 0) / 2**20:.3f}) | "
                 f"{reduce / 2**20:.3f} ({full.get('reduce_scatter', 0) / 2**20:.3f}) | "
+                f"{inter / 2**20:.3f} | {intra / 2**20:.3f} | "
                 f"{run['step_s'] * 1e3:.1f} ms | {cells[0]} | {cells[1]} |"
             )
 
