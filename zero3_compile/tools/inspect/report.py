@@ -147,14 +147,7 @@ class GraphReport:
                     f"{g.wait:>4}  {g.first_use:>9}  {g.release:>7}  {g.compute_ahead:>5}/{g.buckets_ahead}"
                     f"   {_names(g.params)}"
                 )
-        errors = [g.quantization_error for g in self.gathers if g.quantization_error]
-        if errors:
-            lines.append(
-                f"   int8 all-gathers, this rank's first step: relative error max "
-                f"{max(e['max_relative'] for e in errors):.2e}, mean "
-                f"{sum(e['mean_relative'] for e in errors) / len(errors):.2e} over "
-                f"{len(errors)} bucket(s)"
-            )
+        _error_line(lines, "int8 all-gathers, this rank's first step", self.gathers)
         if self.reductions:
             lines.append(
                 "   reduce-scatter  bucket  params  MiB      ready  issue  wait  overlapped nodes"
@@ -164,14 +157,8 @@ class GraphReport:
                     f"                   {r.bucket:>5}  {len(r.params):>6}  {r.bytes / mib:7.3f}  {r.ready:>5}  "
                     f"{r.issue:>5}  {r.wait:>4}  {r.compute_overlapped:>16}   {_names(r.params)}"
                 )
-        errors = [r.quantization_error for r in self.reductions if r.quantization_error]
-        if errors:
-            lines.append(
-                f"   quantized gradient reductions, this rank's first step against an exact one: "
-                f"relative error max {max(e['max_relative'] for e in errors):.2e}, mean "
-                f"{sum(e['mean_relative'] for e in errors) / len(errors):.2e} over "
-                f"{len(errors)} bucket(s)"
-            )
+        what = "quantized gradient reductions, this rank's first step against an exact one"
+        _error_line(lines, what, self.reductions)
         if self.reloads:
             lines.append(
                 f"   reloads of offloaded shards: {len(self.reloads)}, "
@@ -218,6 +205,17 @@ def budget_summary(plan: dict) -> str:
 def _names(params: list[str], limit: int = 3) -> str:
     shown = ", ".join(params[:limit])
     return shown + (f", ... (+{len(params) - limit})" if len(params) > limit else "")
+
+
+def _error_line(lines: list[str], what: str, buckets: list) -> None:
+    """One line summing the buckets' ``quantization_error`` (when any has one)."""
+    errors = [b.quantization_error for b in buckets if b.quantization_error]
+    if errors:
+        lines.append(
+            f"   {what}: relative error max {max(e['max_relative'] for e in errors):.2e}, mean "
+            f"{sum(e['mean_relative'] for e in errors) / len(errors):.2e} over "
+            f"{len(errors)} bucket(s)"
+        )
 
 
 def _nbytes(val) -> int:
