@@ -124,12 +124,12 @@ def _group_names(
     """The process groups the graphs' collectives will name; hpZ's node groups are created here
     (by every rank of a shard group, at the same point of the same compile)."""
     names = set()
+    hpz = opts.secondary_shard is not None and opts.reshard_after_forward
+    size = ranks_per_node(opts.secondary_shard) if hpz else 0
     for state in _sharded_states(gm, example_inputs):
         names.update(n for n in (state.spec.group, state.spec.replicate_group) if n)
-        if opts.secondary_shard is not None and opts.reshard_after_forward:
-            if state.spec.world_size > 1:
-                size = ranks_per_node(opts.secondary_shard)
-                names.add(node_group(state.spec.group, size).name)
+        if hpz and state.spec.world_size > 1:
+            names.add(node_group(state.spec.group, size).name)
     return tuple(sorted(names))
 
 

@@ -51,8 +51,9 @@ def _bind_graph(gm: fx.GraphModule, state_at, bound: set[int], strict: bool) -> 
     for node in gm.graph.nodes:
         if is_unshard(node):
             _bind(node, state_at, strict)
-        elif node.target is _CHECKPOINT and _body(gm, node.args[0]) is not None:
-            body = _body(gm, node.args[0])
+            continue
+        body = _body(gm, node.args[0]) if node.target is _CHECKPOINT else None
+        if body is not None:
             if id(body) in bound:
                 body = fx.GraphModule(body, copy.deepcopy(body.graph))
                 name = f"{node.args[0].target}_zero3_{len(bound)}"
