@@ -24,8 +24,9 @@ cast, copy-in, collective, copy-out and division exist once, for both.
   sharding: the mean over every rank of the mesh).
 - ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized
   (stochastic rounding: the mean stays unbiased), sent to their owners with one all-to-all,
-  dequantized and summed there (in the reduction dtype); ``QuantizedHybridReduce`` adds the
-  replicas' all-reduce of the summed shards, uncompressed.
+  dequantized and summed there (in the reduction dtype); ``QuantizedHybridReduce`` sums the
+  reduced shards across the replicas compressed too (a quantized all-to-all, then a quantized
+  all-gather of the summed chunks).
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
 - ``LocalReduce``: one rank: only the dtype and the shape change.
 
@@ -50,7 +51,7 @@ from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
-from .quantize import Quantization, numel_of_payload
+from .quantize import Quantization, numel_of_payload, padded_numel, payload_bytes
 
 
 class Emit:
@@ -59,7 +60,11 @@ class Emit:
 
     in_graph = False
 
-    def collective(self, role: str, group_role: str, target, *args) -> Any:
+    def collective(
+        self, role: str, group_role: str, target, *args, full_bytes: int | None = None
+    ) -> Any:
+        """Issue ``target(*args)``; ``full_bytes``: what it would carry uncompressed, for the
+        reports (unset: its own bytes)."""
         return target(*args)
 
     def wait(self, role: str, work) -> Any:
@@ -440,16 +445,91 @@ class _AcrossReplicas:
 
 @dataclass(frozen=True)
 class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
-    """Hybrid sharding with qgZ: the quantized exchange within the row, its rows dequantized and
-    summed, then the replicas' all-reduce of the summed shards in the reduction dtype
-    (uncompressed)."""
+    """Hybrid sharding with qgZ, compressed on both levels (ZeRO++'s hierarchical reduction):
+    the quantized exchange within the row, its rows dequantized and summed (stage 0); then, across
+    the replicas, the summed shard cut into ``replicate_size`` chunks, quantized and exchanged
+    with one all-to-all, each chunk summed by its owner (stage 1), and the summed chunks quantized
+    once more and all-gathered (stage 2). Every replica dequantizes the same gathered payloads,
+    so the replicas' shards stay identical; both roundings are stochastic (unbiased).
+
+    ```
+    row:       all_to_all(q(rows)) ─► sum(dq) = s          (bucket_numel,)      shard group
+    replicas:  all_to_all(q(chunks of s)) ─► sum(dq) = c   (chunk,)             replicate group
+               all_gather(q(c)) ─► dq, concatenated        (bucket_numel,)      replicate group
+    ```
+    """
+
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+        (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
+        (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
+    )
+
+    def _chunk(self, summed_numel: int) -> int:
+        """Elements of each replica's chunk of a summed shard of ``summed_numel``: whole blocks."""
+        return padded_numel(-(-summed_numel // self.replicate_size), self.quantization.block)
 
     def issue(self, emit, stage, payloads):
         if stage == 0:
             return super().issue(emit, stage, payloads)
+        replicas, dtype = self.replicate_size, self.dtype
+        block, bits = self.quantization.block, self.quantization.bits
         (received,) = payloads
-        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
-        return self._across_replicas(emit, flat)
+        value = received.meta["val"] if emit.in_graph else received
+        if stage == 1:  # received: every row rank's quantized rows of ours
+            summed_numel = numel_of_payload(value.shape[0] // self.world_size, block, bits)
+            chunk = self._chunk(summed_numel)
+            summed_fn = self._summed_fn()
+
+            def chunks(received):
+                summed = summed_fn(received)
+                summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
+                return copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
+
+            payload = emit.traced(roles.REDUCE_COPY_OUT, lambda r: chunks(r).view(-1), [received])
+            splits = [payload_bytes(chunk, block, bits)] * replicas
+            work = emit.collective(
+                roles.REPLICA_ALL_REDUCE,
+                roles.GROUP_REPLICATE,
+                ALL_TO_ALL_OP,
+                payload,
+                splits,
+                splits,
+                self.replicate_group,
+                full_bytes=summed_numel * dtype.itemsize,  # the uncompressed all-reduce's
+            )
+            return [work]
+        # stage 2; received: every replica's quantized chunk of ours
+        chunk = numel_of_payload(value.shape[0] // replicas, block, bits)
+
+        def requantized(received):
+            rows = copy_ops.DEQUANTIZE_ROWS(received.view(replicas, -1), chunk, block, bits, dtype)
+            return copy_ops.QUANTIZE_ROWS(rows.sum(dim=0, keepdim=True), block, bits, True).view(-1)
+
+        payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received])
+        work = emit.collective(
+            roles.REPLICA_ALL_REDUCE,
+            roles.GROUP_REPLICATE,
+            ALL_GATHER_OP,
+            payload,
+            replicas,
+            self.replicate_group,
+            full_bytes=0,  # counted with the all-to-all before it
+        )
+        return [work]
+
+    def copy_out(self, emit, reduced, specs, shard_shapes):
+        (gathered,) = reduced  # (replicas * chunk_payload,): every replica's summed chunk
+        summed_numel = padded_numel(sum(arithmetic.sizes(specs)), self.quantization.block)
+        chunk, replicas, dtype = self._chunk(summed_numel), self.replicate_size, self.dtype
+        block, bits = self.quantization.block, self.quantization.bits
+
+        def values(gathered):
+            rows = copy_ops.DEQUANTIZE_ROWS(gathered.view(replicas, -1), chunk, block, bits, dtype)
+            return rows.view(-1)[:summed_numel]
+
+        flat = emit.traced(roles.REDUCE_COPY_OUT, values, [gathered])
+        return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch.fx as fx
 from ..collectives.schemes import Emit
 from ..compat import WAIT
 from .graph_utils import NodeFactory
-from .node_keys import BUCKET, BUCKETS, GROUP_ROLE, PARAMS, ROLE
+from .node_keys import BUCKET, BUCKETS, FULL_BYTES, GROUP_ROLE, PARAMS, ROLE
 
 
 @dataclass
@@ -79,8 +79,15 @@ class GraphEmit(Emit):
         self.record.nodes.setdefault(role, []).extend(n.name for n in nodes)
         self.created.extend(nodes)
 
-    def collective(self, role: str, group_role: str, target, *args) -> fx.Node:
-        node = self._factory(role, **{GROUP_ROLE: group_role})(target, *args)
+    def collective(
+        self, role: str, group_role: str, target, *args, full_bytes: int | None = None
+    ) -> fx.Node:
+        meta = (
+            {GROUP_ROLE: group_role}
+            if full_bytes is None
+            else {GROUP_ROLE: group_role, FULL_BYTES: full_bytes}
+        )
+        node = self._factory(role, **meta)(target, *args)
         self._note(role, [node])
         self.record.collectives.append(node.name)
         return node

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
 from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
-from .node_keys import ROLE
+from .node_keys import ROLE, ROLE_ALL_GATHER, ROLE_REPLICA_ALL_REDUCE
 
 
 def is_view(node: fx.Node) -> bool:
@@ -50,15 +50,17 @@ def view_root(node: fx.Node) -> fx.Node:
 
 def is_gather_wait(node: fx.Node) -> bool:
     """The wait of one of our parameter all-gathers (not of a foreign one: tensor parallelism's
-    sequence-parallel gathers carry activations)."""
+    sequence-parallel gathers carry activations; nor a reduction's: hybrid qgZ all-gathers the
+    replicas' summed gradient chunks)."""
     if node.op != "call_function" or node.target is not WAIT:
         return False
     source = node.args[0]
-    return (
-        isinstance(source, fx.Node)
-        and source.target is ALL_GATHER
-        and source.meta.get(ROLE) is not None
-    )
+    return isinstance(source, fx.Node) and is_parameter_gather(source)
+
+
+def is_parameter_gather(node: fx.Node) -> bool:
+    """One of our parameter all-gathers."""
+    return node.target is ALL_GATHER and node.meta.get(ROLE) == ROLE_ALL_GATHER
 
 
 def recomputable(node: fx.Node) -> bool:
@@ -133,8 +135,8 @@ def shard_inputs(graph: fx.Graph) -> set[fx.Node]:
     for node in graph.nodes:
         if node.target is UNSHARD:
             found.add(view_root(node.args[0]))
-        elif node.target is ALL_GATHER:
-            found.update(ancestor_placeholders(node))
+        elif node.target is ALL_GATHER and node.meta.get(ROLE) != ROLE_REPLICA_ALL_REDUCE:
+            found.update(ancestor_placeholders(node))  # not a reduction's (hybrid qgZ)
     return {n for n in found if n.op == "placeholder"}
 
 

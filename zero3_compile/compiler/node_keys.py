@@ -29,6 +29,9 @@ PARAMS = "zero3_params"
 # On a collective node the passes created: what its group is on every rank ("shard",
 # "replicate"), for signatures compared across ranks whose group names differ.
 GROUP_ROLE = "zero3_group_role"
+# On a compressed collective whose uncompressed bytes are not its bucket's: what it would carry
+# uncompressed (the reports' "compressed from").
+FULL_BYTES = "zero3_full_bytes"
 # Set on joint-graph nodes computed from gathered parameters alone (recomputed in backward).
 PARAM_DERIVED = "zero3_param_derived"
 

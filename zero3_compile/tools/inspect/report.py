@@ -11,8 +11,6 @@ import torch.fx as fx
 from ...collectives.copy_ops import SECONDARY_SLICE
 from ...compat import (
     ALL_GATHER,
-    ALL_REDUCE,
-    ALL_REDUCE_INPLACE,
     COLLECTIVES,
     REDUCE_SCATTER,
     WAIT,
@@ -23,12 +21,14 @@ from ...compiler.buckets import name_map, records
 from ...compiler.graph_facts import gathered_values, is_view
 from ...compiler.memory import memory_timeline
 from ...compiler.node_keys import (
+    FULL_BYTES,
     GROUP_ROLE,
     ROLE,
     ROLE_GATHER_COPY_OUT,
     ROLE_REDUCE_COPY_IN,
     ROLE_REDUCE_SCATTER,
     ROLE_RELOAD,
+    ROLE_REPLICA_ALL_REDUCE,
 )
 from ...compiler.recording import GraphRecord
 from ...sharding.layout import foreign_group_role
@@ -240,6 +240,23 @@ def _plain_shape(val) -> list:
     return [d if isinstance(d, int) else str(d) for d in val.shape]
 
 
+def _collective_kind(node: fx.Node) -> str:
+    """How the reports count a collective: by the step of a scheme it is, else by its op."""
+    role = node.meta.get(ROLE)
+    if role == ROLE_REDUCE_SCATTER:
+        return "reduce_scatter"  # also an all-to-all (qgZ) or an all-reduce (gloo, torch 2.14)
+    if role == ROLE_REPLICA_ALL_REDUCE:
+        return "all_reduce"  # also qgZ's all-to-all and all-gather across replicas
+    return {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}.get(
+        node.target, "all_reduce"
+    )
+
+
+def _collective_bytes(node: fx.Node) -> int:
+    """A collective's bytes: an all-gather's output, any other's input."""
+    return _nbytes(node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"])
+
+
 def build_report(record: GraphRecord) -> GraphReport:
     """Everything a user wants to know about one scheduled graph."""
     gm = record.gm
@@ -320,36 +337,37 @@ def build_report(record: GraphRecord) -> GraphReport:
                 "bytes": sum(i.bytes for i in items),
                 "full_bytes": sum(i.full_bytes for i in items),
             }
-    all_reduces = [
-        n
-        for n in nodes
-        if n.target in (ALL_REDUCE, ALL_REDUCE_INPLACE) and n.meta.get(ROLE) != ROLE_REDUCE_SCATTER
-    ]
-    if all_reduces:
-        report.collectives["all_reduce"] = {
-            "count": len(all_reduces),
-            "bytes": sum(_nbytes(n.args[0].meta["val"]) for n in all_reduces),
-        }
-    # a compressed bucket's one collective: the bytes it would carry uncompressed
+    # a compressed bucket's first collective: the bytes it would carry uncompressed; a later
+    # stage's compressed collectives say so themselves
     full_bytes = {
         bucket.collectives[0]: bucket.full_bytes
         for bucket in records(gm)
-        if bucket.full_bytes is not None and len(bucket.collectives) == 1
+        if bucket.full_bytes is not None
     }
+    for node in nodes:
+        if node.op == "call_function" and FULL_BYTES in node.meta:
+            full_bytes[node.name] = node.meta[FULL_BYTES]
+    # the replicas' sum of reduced shards (an all-reduce, or compressed: an all-to-all and an
+    # all-gather), and any other all-reduce
+    all_reduces = [
+        n for n in nodes if n.target in COLLECTIVES and _collective_kind(n) == "all_reduce"
+    ]
+    if all_reduces:
+        wire = [_collective_bytes(n) for n in all_reduces]
+        report.collectives["all_reduce"] = {
+            "count": len(all_reduces),
+            "bytes": sum(wire),
+            "full_bytes": sum(full_bytes.get(n.name, b) for n, b in zip(all_reduces, wire)),
+        }
     for node in nodes:
         if node.target in COLLECTIVES:
             group = node.args[2] if node.target is ALL_GATHER else node.args[-1]
-            kind = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}.get(
-                node.target, "all_reduce"
-            )
-            if node.meta.get(ROLE) == ROLE_REDUCE_SCATTER:
-                kind = "reduce_scatter"  # issued as an all-reduce (gloo, torch 2.14)
-            value = node.meta["val"] if node.target is ALL_GATHER else node.args[0].meta["val"]
+            kind, value = _collective_kind(node), _collective_bytes(node)
             name = node.meta.get(GROUP_ROLE) or foreign_group_role(str(group))
             per_group = report.group_bytes.setdefault(name, {})
-            per_group[kind] = per_group.get(kind, 0) + _nbytes(value)
+            per_group[kind] = per_group.get(kind, 0) + value
             full = report.group_full_bytes.setdefault(name, {})
-            full[kind] = full.get(kind, 0) + full_bytes.get(node.name, _nbytes(value))
+            full[kind] = full.get(kind, 0) + full_bytes.get(node.name, value)
 
     timeline = memory_timeline(
         gm,
