@@ -198,6 +198,11 @@ COMPRESSED = {
     "both": {"weight_quantization": "int8", "gradient_quantization": "int8"},
     "hpz": {"secondary_shard": 2},
     "hpz_qwz": {"secondary_shard": 2, "weight_quantization": "int8"},
+    "zeropp": {
+        "secondary_shard": 2,
+        "weight_quantization": "int8",
+        "gradient_quantization": "int4",
+    },
 }
 
 
@@ -291,6 +296,8 @@ def hybrid(rank, world, name):
         "losses": losses,
         "ref_losses": ref_losses,
         "all_reduces": backward.collectives["all_reduce"]["count"],
+        "replicate_bytes": backward.group_bytes.get("replicate", {}),
+        "shards": [p.to_local().detach().clone() for p in model.parameters()],
         "backward": {
             k: (v["bytes"], v.get("full_bytes", v["bytes"]))
             for k, v in backward.collectives.items()
@@ -375,6 +382,32 @@ def hpz_variant(rank, world, variant, name, layers=2, steps=3):
     }
 
 
+def profiled(rank, world, name):
+    """One step of the tiny Llama under ``torch.profiler``: the collectives the process groups
+    ran (their ``c10d::`` operators, bytes of their tensors), beside what ``explain`` reports
+    from the graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.comm import from_profile
+
+    options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
+    torch.manual_seed(0)
+    config = TinyLlamaConfig(dim=32, hidden=64, n_layers=2)
+    model = z3.shard(TinyLlama(config))
+    step = torch.compile(model, backend="zero3", options=options)
+    tokens, targets = llama_batch(2 * world, config, seed=0)
+    mine = (tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+    report = z3.explain(step, mine[0])
+    llama_loss(step, mine).backward()  # compiled and warm
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        llama_loss(step, mine).backward()
+    return {
+        "profiled": from_profile(prof),
+        "groups": {g.kind: g.group_bytes for g in report.graphs},
+        "collectives": {g.kind: g.collectives for g in report.graphs},
+    }
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -384,7 +417,8 @@ GPT_CASES = [("gpt", name, "eager") for name in ("none", "qwz", "qgz8", "qgz4")]
 GPT_CASES += [("gpt", "both", "inductor")]
 NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
 LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
-HYBRID_CASES = [("hybrid", "none"), ("hybrid", "qgz8"), ("hpz_errors",)]
+HYBRID_CASES = [("hybrid", n) for n in ("none", "qgz8", "qgz4")] + [("hpz_errors",)]
+PROFILED = [("profiled", name) for name in ("none", "zeropp")]
 HPZ_VARIANTS = [("hpz_variant", v, n) for v in ("ckpt", "offload", "bf16") for n in ("none", "hpz")]
 
 
@@ -395,7 +429,9 @@ def gpt_results():
 
 @functools.cache
 def llama_results():
-    return run_scenarios(_scenario, 4, LLAMA_CASES + HYBRID_CASES + HPZ_VARIANTS, timeout=900)
+    return run_scenarios(
+        _scenario, 4, LLAMA_CASES + HYBRID_CASES + HPZ_VARIANTS + PROFILED, timeout=900
+    )
 
 
 # loss over 3 AdamW steps, relative to the uncompressed run's; gradients of the first step
@@ -478,24 +514,71 @@ def test_llama_on_four_ranks_trains_within_the_band(name):
         assert ours["losses"] != plain["losses"]  # it did compress
 
 
-def test_hybrid_sharding_reduces_quantized_within_a_row_then_across_replicas():
+@pytest.mark.parametrize("name", ["qgz8", "qgz4"])
+def test_hybrid_sharding_reduces_quantized_within_a_row_then_across_replicas(name):
     """(replicate 2, shard 2): the uncompressed run equals eager, the quantized one stays within
-    the band; its backward sends 0.27x the bytes within the row and all-reduces the reduced
-    shards across replicas."""
+    the band; its backward sends 0.27x (int8) / 0.14x (int4) the bytes within the row, and sums
+    the reduced shards across replicas compressed too (an all-to-all of quantized chunks, then an
+    all-gather of the quantized sums: twice the compressed shard for the all-reduce's once
+    uncompressed); the replicas end with identical shards."""
     plain = llama_results()[("hybrid", "none")]
-    for ours, base in zip(llama_results()[("hybrid", "qgz8")], plain):
+    out = llama_results()[("hybrid", name)]
+    ratio = {"qgz8": (1 + 4 / 64) / 4, "qgz4": (0.5 + 4 / 64) / 4}[name]
+    for ours, base in zip(out, plain):
         assert base["losses"] == pytest.approx(base["ref_losses"], rel=1e-5)
         for loss, want in zip(ours["losses"], base["losses"]):
-            assert abs(loss - want) <= LLAMA_LOSS_BAND["qgz8"] * want, (ours, base)
+            assert abs(loss - want) <= LLAMA_LOSS_BAND[name] * want, (ours, base)
         assert ours["losses"] != base["losses"]
         wire, full = ours["backward"]["reduce_scatter"]
         assert full == base["backward"]["reduce_scatter"][0]
-        assert wire == pytest.approx(full * (1 + 4 / 64) / 4, rel=0.05)
-        # the replicas' all-reduce carries the summed rows: the bucket plus its tail to a whole
-        # block (at most 64 elements per bucket)
-        reduced, base_reduced = ours["backward"]["all_reduce"][0], base["backward"]["all_reduce"][0]
-        buckets = ours["all_reduces"]
-        assert base_reduced <= reduced <= base_reduced + buckets * 64 * 4
+        assert wire == pytest.approx(full * ratio, rel=0.05)
+        # uncompressed, the replicas' all-reduce carries the summed rows (plus each bucket's
+        # tail to a whole block: at most 64 elements); compressed, two collectives per bucket
+        reduced, full_reduced = ours["backward"]["all_reduce"]
+        base_reduced = base["backward"]["all_reduce"][0]
+        buckets = ours["all_reduces"] // 2
+        assert ours["all_reduces"] == 2 * base["all_reduces"]
+        assert base_reduced <= full_reduced <= base_reduced + buckets * 64 * 4
+        # each replica's chunk is padded to whole blocks: at most one more block per replica
+        block_bytes = 64 * ratio * 4
+        assert (
+            2 * full_reduced * ratio
+            <= reduced
+            <= 2 * (full_reduced * ratio + 2 * block_bytes * buckets)
+        )
+        assert sum(ours["replicate_bytes"].values()) == reduced  # all on the replicate group
+    # rank = 2 * replica + shard: ranks s and s + 2 hold the same shard
+    for shard in (0, 1):
+        for a, b in zip(out[shard]["shards"], out[shard + 2]["shards"]):
+            assert torch.equal(a, b)
+
+
+def test_the_profiler_sees_the_bytes_explain_reports():
+    """What the process groups ran in one step (``torch.profiler``'s ``c10d::`` operators) is
+    what ``explain`` reports from the graphs: uncompressed, and with qwZ + hpZ + qgZ int4 (the
+    forward's int8 all-gathers, the backward's re-gathers within the node, the gradients' int4
+    all-to-all)."""
+    out = llama_results()
+    for name in ("none", "zeropp"):
+        for r in out[("profiled", name)]:
+            profiled: dict[str, int] = {}
+            for kind, size in r["profiled"]:
+                kind = "all_gather" if kind == "all_gather" else "reduction"
+                profiled[kind] = profiled.get(kind, 0) + size
+            graphs = r["collectives"]
+            gathers = sum(g.get("all_gather", {}).get("bytes", 0) for g in graphs.values())
+            reduced = graphs["backward"]["reduce_scatter"]["bytes"]
+            assert profiled == {"all_gather": gathers, "reduction": reduced}, (profiled, graphs)
+            if name == "zeropp":
+                kinds = {kind for kind, _ in r["profiled"]}
+                assert kinds == {"all_gather", "c10d::alltoall_base_"}, kinds
+                assert set(r["groups"]["backward"]) == {"node", "shard"}
+                assert "all_gather" not in r["groups"]["backward"]["shard"]
+    plain, zeropp = out[("profiled", "none")][0], out[("profiled", "zeropp")][0]
+    forward = plain["collectives"]["forward"]["all_gather"]["bytes"]
+    assert zeropp["collectives"]["forward"]["all_gather"]["bytes"] < 0.3 * forward
+    gradients = plain["collectives"]["backward"]["reduce_scatter"]["bytes"]
+    assert zeropp["collectives"]["backward"]["reduce_scatter"]["bytes"] < 0.15 * gradients
 
 
 # ---------------------------------------------------------------- hpZ: secondary shards
