@@ -109,13 +109,21 @@ class _Version:
         self.spool, self.region, self.future, self.norm = spool, region, future, norm
 
     def read_into(self, out: torch.Tensor) -> None:
+        self._written_or_raise()
+        self.spool.store.read(self.region, out)
+
+    def _written_or_raise(self) -> None:
         error = self.future.exception()  # waits for the write
         if error is not None:
             raise OffloadError(
                 getattr(error, "errno", 0) or 0,
                 f"zero3: a gradient could not be written to the offload store: {error}",
             ) from error
-        self.spool.store.read(self.region, out)
+
+    def read_part_into(self, out: torch.Tensor, start: int) -> None:
+        """Read ``out``'s bytes from byte ``start`` of the version."""
+        self._written_or_raise()
+        self.spool.store.read_part(self.region, out, start)
 
     def __del__(self) -> None:
         try:
@@ -183,6 +191,16 @@ class SpooledGrad(torch.Tensor):
         if self._content is None:
             return out.zero_()
         self._content.read_into(out)
+        for factor in self._factors:
+            out.mul_(factor)
+        return out
+
+    def materialize_part(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``start .. start + out.numel()`` of the flattened values (factors applied),
+        read into ``out``."""
+        if self._content is None:
+            return out.zero_()
+        self._content.read_part_into(out, start * self.element_size())
         for factor in self._factors:
             out.mul_(factor)
         return out

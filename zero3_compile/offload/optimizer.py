@@ -11,6 +11,14 @@ tile i steps, and writes tile i-1 back meanwhile, so at most ``read_ahead + 2`` 
 memory. The inner optimizer runs unchanged on each tile, so results are bit-identical to the
 same optimizer without offload.
 
+A parameter larger than a tile (a 128256 x 3072 embedding's shard is 0.79 GB of fp32, 3.2 GB with
+its gradient and AdamW's two moments) steps in pieces of whole 4096-element runs when the
+optimizer is elementwise (``_ELEMENTWISE``: each element's update reads only that element's
+gradient and state): each piece of the shard, its gradient and its state is read from the store
+into buffers of its own, stepped as a parameter of its own (the group's hyperparameters, a copy
+of the step counter) and written back, so the parameter is never whole in memory; the results
+are the same bits. Other optimizers step such a parameter whole.
+
 Writes go to the free slot of each region and become current only when every tile was written
 (``DiskStore.commit``): a step interrupted by an I/O error leaves the previous state on disk.
 
@@ -24,6 +32,7 @@ import logging
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,6 +124,39 @@ def _load_state_dict(self, state_dict):
     return self._zero3_offload.load_state_dict(state_dict)
 
 
+# optimizers whose update of an element reads only that element's gradient and state (and
+# per-parameter scalars): a parameter can step in pieces with the same result
+_ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+_PIECE_ALIGN = 4096  # elements: a piece of any dtype starts at a 4096-byte boundary (O_DIRECT)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """Elements ``start .. stop`` of one parameter's flattened shard, stepped on their own."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    last: bool
+    slot: int = 0  # of the step's staging pool
+    # read by the load: the piece's shard, gradient and state values (the step writes the
+    # shard's in place); the state the step made, for the write
+    shard: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
 class _OptimizerOffload:
     def __init__(self, optimizer, store, tile_bytes: int, read_ahead: int, poison: bool):
         self.optimizer = optimizer
@@ -126,6 +168,9 @@ class _OptimizerOffload:
         self.evicted: set[tuple[int, str]] = set()
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero3-opt")
         self.tiles_resident_max = 0
+        self.pieces_stepped = 0  # pieces of parameters larger than a tile, over all steps
+        self._pool: torch.Tensor | None = None  # the pieces' staging buffers, during a step
+        self._slot_bytes = 0
         self.grads_read: dict[int, torch.Tensor] = {}  # id(param) -> its spooled gradient, read
 
     # ------------------------------------------------------------------ tensors of a param
@@ -224,17 +269,66 @@ class _OptimizerOffload:
         return local.numel() * per_element * (kinds + 1)
 
     def _tiles(self, params) -> list[list]:
+        """Lists of whole parameters of about ``tile_bytes`` together, and one-piece lists of
+        the parameters that step in pieces."""
         tiles, current, size = [], [], 0
         for param in params:
             nbytes = self._nbytes(param)
-            if current and size + nbytes > self.tile_bytes:
-                tiles.append(current)
+            pieces = self._pieces(param, nbytes)
+            if pieces or (current and size + nbytes > self.tile_bytes):
+                if current:
+                    tiles.append(current)
                 current, size = [], 0
+            if pieces:
+                tiles.extend([piece] for piece in pieces)
+                continue
             current.append(param)
             size += nbytes
         if current:
             tiles.append(current)
+        for i, tile in enumerate(tiles):  # slots of the tiles in memory together never collide
+            if isinstance(tile[0], _Piece):
+                tile[0].slot = i % self._slots
         return tiles
+
+    @property
+    def _slots(self) -> int:
+        # tiles i - 2 (its write in flight), i - 1, i (stepping), i + 1 .. i + read_ahead (read)
+        return self.read_ahead + 3
+
+    def _staging_pool(self, tiles, started) -> torch.Tensor | None:
+        """One buffer for the pieces' shards, gradients and states, ``_slots`` of the largest
+        piece: allocated once per step (never less than 34 MiB of address space, pages only
+        touched where used: glibc maps it and unmaps it whole, so freeing it does not raise its
+        dynamic mmap threshold and leave later allocations in a fragmented heap)."""
+        pieces = [t[0] for t in tiles if isinstance(t[0], _Piece)]
+        if not pieces:
+            return None
+        slot = max(self._piece_bytes(p, started) for p in pieces)
+        self._slot_bytes = slot
+        return torch.empty(max(slot * self._slots, 34 * 2**20), dtype=torch.uint8)
+
+    def _piece_bytes(self, piece: _Piece, started) -> int:
+        numel = piece.stop - piece.start
+        tensors = [_local(piece.param)] * 2  # its shard and gradient, at most
+        tensors += [
+            _local(v)
+            for v in started[id(piece.param)].values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+        return sum(_aligned(numel * t.element_size()) for t in tensors)
+
+    def _pieces(self, param, nbytes: int) -> list[_Piece]:
+        """The pieces of a parameter larger than a tile (none: it steps whole)."""
+        numel = _local(param).numel()
+        if nbytes <= self.tile_bytes or type(self.optimizer) not in _ELEMENTWISE:
+            return []
+        per_piece = self.tile_bytes * numel // nbytes // _PIECE_ALIGN * _PIECE_ALIGN
+        per_piece = max(per_piece, _PIECE_ALIGN)
+        if per_piece >= numel:
+            return []
+        starts = range(0, numel, per_piece)
+        return [_Piece(param, a, min(a + per_piece, numel), a + per_piece >= numel) for a in starts]
 
     def step(self):
         optimizer = self.optimizer
@@ -252,11 +346,17 @@ class _OptimizerOffload:
         writes: list[Future] = []
         resident = 0
 
+        started = {id(p): dict(optimizer.state.get(p, {})) for p in params}
+        self._pool = self._staging_pool(tiles, started)
+
         def load(i: int) -> None:
             if i < len(tiles) and i not in loads:
-                loads[i] = self.workers.submit(lambda: [self._load(p) for p in tiles[i]])
+                loads[i] = self.workers.submit(self._load_tile, tiles[i], started)
 
         def write_and_evict(tile) -> None:
+            if isinstance(tile[0], _Piece):
+                self._write_piece(tile[0])
+                return
             for param in tile:
                 self._write(param)
             for param in tile:
@@ -275,7 +375,10 @@ class _OptimizerOffload:
                 self.store.count_wait(time.perf_counter() - waited)
                 resident = sum(1 for f in loads.values()) + 1 + sum(not w.done() for w in writes)
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)
-                self._step_tile(tile)
+                if isinstance(tile[0], _Piece):
+                    self._step_piece(tile[0])
+                else:
+                    self._step_tile(tile)
                 writes.append(self.workers.submit(write_and_evict, tile))
             waited = time.perf_counter()
             for future in writes:
@@ -301,8 +404,105 @@ class _OptimizerOffload:
                 else:
                     state[key] = value
             raise
+        finally:
+            self._pool = None
         self._commit(params)
         return None
+
+    def _load_tile(self, tile, started) -> None:
+        if not isinstance(tile[0], _Piece):
+            for param in tile:
+                self._load(param)
+            return
+        piece = tile[0]
+        param = piece.param
+        start, numel = piece.start, piece.stop - piece.start
+        local = _local(param)
+        taken = 0
+
+        def take(dtype: torch.dtype) -> torch.Tensor:
+            nonlocal taken
+            begin = piece.slot * self._slot_bytes + taken
+            nbytes = numel * dtype.itemsize
+            taken += _aligned(nbytes)
+            return self._pool[begin : begin + nbytes].view(dtype)
+
+        shard = state_of(param)
+        if shard is not None and shard.offload is not None and shard.offload.evicted:
+            piece.shard = take(local.dtype)
+            shard.offload.store.read_part(
+                shard.offload.region, piece.shard, start * local.element_size()
+            )
+        else:  # in memory: stepped in place
+            piece.shard = local.view(-1)[start : piece.stop]
+        grad = spooled(param)
+        if grad is not None:
+            piece.grad = grad.materialize_part(start, take(grad.dtype))
+        else:
+            piece.grad = _local(param.grad).reshape(-1)[start : piece.stop]
+        # the state as the step started (a copy of each scalar: every piece counts the same
+        # step), each tensor's piece read from the store or viewed in memory
+        for key, value in started[id(param)].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state = _local(value)
+                handle = (id(param), key)
+                if handle in self.evicted:
+                    part = take(state.dtype)
+                    self.store.read_part(self.regions[handle], part, start * state.element_size())
+                else:
+                    part = state.reshape(-1)[start : piece.stop]
+                piece.state[key] = part
+            else:
+                piece.state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+    def _step_piece(self, piece: _Piece) -> None:
+        """Step one piece as a parameter of its own, with its group's hyperparameters."""
+        optimizer = self.optimizer
+        alone = torch.nn.Parameter(piece.shard, requires_grad=piece.param.requires_grad)
+        alone.grad = piece.grad
+        if piece.state:
+            optimizer.state[alone] = piece.state
+        saved = [group["params"] for group in optimizer.param_groups]
+        try:
+            for group in optimizer.param_groups:
+                group["params"] = [alone] if any(p is piece.param for p in group["params"]) else []
+            type(optimizer).step(optimizer)
+        finally:
+            for group, params in zip(optimizer.param_groups, saved):
+                group["params"] = params
+            piece.state = optimizer.state.pop(alone, {})
+        piece.grad = None
+        self.pieces_stepped += 1
+
+    def _write_piece(self, piece: _Piece) -> None:
+        """Write the piece's shard and state to the stores' free slots; after the last piece
+        the parameter's state holds the scalars and (evicted) tensors of the whole."""
+        param, start = piece.param, piece.start
+        shard = state_of(param)
+        if shard is not None and shard.offload is not None:
+            record = shard.offload
+            record.store.write_part(record.region, piece.shard, start * piece.shard.element_size())
+            if piece.last and not record.evicted:
+                evict_shard(shard)
+        local = _local(param)
+        whole = self.optimizer.state.setdefault(param, {})
+        for key, value in piece.state.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                if piece.last:
+                    whole[key] = value
+                continue
+            handle = (id(param), key)
+            if handle not in self.regions:  # state this step created
+                self.regions[handle] = self.store.allocate(local.numel() * value.element_size())
+            if key not in whole:  # evicted from the start: its pieces go to the store only
+                empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
+                empty.untyped_storage().resize_(0)
+                whole[key] = _like(param, empty)
+                self.evicted.add(handle)
+            self.store.write_part(self.regions[handle], value, start * value.element_size())
+            if piece.last and handle not in self.evicted:  # it was in memory (stepped in place)
+                self._evict_one(handle, _local(whole[key]))
+        piece.shard, piece.state = None, {}
 
     def _step_tile(self, tile) -> None:
         optimizer = self.optimizer
@@ -369,6 +569,10 @@ class _OptimizerOffload:
         type(optimizer).load_state_dict(optimizer, state_dict)
         self.evicted = set()  # the loaded tensors are new and in memory
         self.store_all()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,19 @@ class DiskStore:
         region.pending = slot
         return self.pool.submit(self._transfer, tensor, region.offsets[slot], region.nbytes, True)
 
+    def read_part(self, region: Region, out: torch.Tensor, start: int) -> None:
+        """Read ``out``'s bytes from byte ``start`` of the region's current slot."""
+        nbytes = _part_bytes(region, out, start)
+        self._transfer(out, region.read_offset + start, nbytes, write=False)
+
+    def write_part(self, region: Region, tensor: torch.Tensor, start: int) -> None:
+        """Write ``tensor`` at byte ``start`` of the region's free slot (the parts of one new
+        version, in any order, then ``commit(region)``)."""
+        nbytes = _part_bytes(region, tensor, start)
+        slot = 1 - region.current
+        self._transfer(tensor, region.offsets[slot] + start, nbytes, write=True)
+        region.pending = slot
+
     def _transfer(self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
         if tensor.numel() * tensor.element_size() != nbytes or not tensor.is_contiguous():
             raise OffloadError(
@@ -303,6 +316,18 @@ class DiskStore:
             pass
 
 
+def _part_bytes(region: Region, tensor: torch.Tensor, start: int) -> int:
+    """Bytes of a part of ``region`` from ``start`` (``_ALIGN``-aligned: O_DIRECT transfers)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if start % _ALIGN or start < 0 or start + nbytes > region.nbytes:
+        raise OffloadError(
+            errno.EINVAL,
+            f"zero3: a part of {nbytes} bytes at {start} does not fit a region of "
+            f"{region.nbytes} bytes at a {_ALIGN}-byte boundary",
+        )
+    return nbytes
+
+
 def _free_space(folder: str) -> str:
     try:
         stat = os.statvfs(folder)
@@ -348,6 +373,19 @@ class HostStore:
     def read(self, region: Region, out: torch.Tensor) -> None:
         out.view(-1).view(torch.uint8).copy_(self._slot(region, region.current), non_blocking=True)
         self.bytes_read += region.nbytes
+
+    def read_part(self, region: Region, out: torch.Tensor, start: int) -> None:
+        nbytes = _part_bytes(region, out, start)
+        source = self._slot(region, region.current)[start : start + nbytes]
+        out.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
+        self.bytes_read += nbytes
+
+    def write_part(self, region: Region, tensor: torch.Tensor, start: int) -> None:
+        nbytes = _part_bytes(region, tensor, start)
+        slot = 1 - region.current
+        self._slot(region, slot)[start : start + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        region.pending = slot
+        self.bytes_written += nbytes
 
     def read_async(self, region: Region, out: torch.Tensor) -> Future:
         # ordered on the current stream: the copy cannot be read before it is done
