@@ -82,6 +82,10 @@ def parse_args(argv=None):
         help="one copy of the offloaded state on disk (double_buffer=False): half the disk",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--tile-mb", type=float, default=64.0,
+        help="offload_optimizer's tile (a parameter larger than it steps in pieces)",
+    )
     parser.add_argument("--seq", type=int, default=256, help="tokens per rank and step")
     parser.add_argument("--contenders", default="zero3")
     parser.add_argument("--codegen", choices=["eager", "inductor"], default="eager")
@@ -295,7 +299,11 @@ def run_zero3(rank, world, cfg: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["offload"] == "disk":
         opt = z3.offload_optimizer(
-            opt, tier="disk", path=scratch, double_buffer=not cfg["single_copy"]
+            opt,
+            tier="disk",
+            path=scratch,
+            double_buffer=not cfg["single_copy"],
+            tile_mb=cfg.get("tile_mb", 64.0),
         )
     phases.opt = opt
     step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
@@ -338,7 +346,11 @@ def run_resume(rank, world, cfg: dict):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if cfg["offload"] == "disk":
         opt = z3.offload_optimizer(
-            opt, tier="disk", path=scratch, double_buffer=not cfg["single_copy"]
+            opt,
+            tier="disk",
+            path=scratch,
+            double_buffer=not cfg["single_copy"],
+            tile_mb=cfg.get("tile_mb", 64.0),
         )
     phases.model, phases.opt = model, opt
     path = os.path.join(cfg["scratch"], "checkpoint")
@@ -526,6 +538,7 @@ def main(argv=None) -> None:
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 single_copy=args.single_copy,
+                tile_mb=args.tile_mb,
                 seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
     compute = None
