@@ -73,6 +73,54 @@ def test_lone_shard_or_gradient_needing_no_copy_is_used_as_it_is(world):
     assert cast.data_ptr() != grad.data_ptr() and torch.equal(cast, grad.reshape(-1).bfloat16())
 
 
+def _peak_allocated(fn) -> int:
+    """Bytes allocated above the start at the peak of ``fn()``, from the profiler's CPU
+    allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()]
+    live = peak = 0
+    for _, nbytes in sorted(s for s in sizes if s[1] != 0):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("graph_ops", [False, True], ids=["eager", "graph-ops"])
+def test_a_lone_member_is_copied_once_and_an_owned_input_never_aliases(graph_ops):
+    """A huge lone parameter (a 3B Llama's tied embedding: 1.5 GB of fp32 gradient) must not
+    be cast into one buffer and then concatenated into a second; a reduction that writes into
+    its input (gloo's in-place all-reduce) gets memory of its own even where no copy is due."""
+    world, rows = 2, 4096
+    layout = spec_of_shape((rows, 64), world)
+    sizes = arithmetic.sizes([layout])
+    grad = torch.randn(rows, 64, dtype=torch.bfloat16)
+    fp32_bytes = grad.numel() * 4
+    ops = torch.ops.zero3
+    copy_in = ops.reduce_copy_in.default if graph_ops else arithmetic.reduce_copy_in
+    flat = arithmetic.reduce_input([grad], world, sizes, torch.float32, copy_in=copy_in)
+    assert torch.equal(flat, grad.reshape(-1).float())
+    peak = _peak_allocated(
+        lambda: arithmetic.reduce_input([grad], world, sizes, torch.float32, copy_in=copy_in)
+    )
+    assert fp32_bytes <= peak < 1.5 * fp32_bytes, (peak, fp32_bytes)
+    shard = torch.randn(rows // world, 64)
+    gather_in = ops.gather_copy_in.default if graph_ops else arithmetic.gather_copy_in
+    peak = _peak_allocated(lambda: gather_in([shard], sizes, torch.bfloat16))
+    assert shard.numel() * 2 <= peak < 1.5 * shard.numel() * 2, peak
+    as_is = torch.randn(rows, 64)
+    owned = arithmetic.reduce_input([as_is], world, sizes, torch.float32, copy_in, owned=True)
+    assert owned.data_ptr() != as_is.data_ptr() and torch.equal(owned, as_is.reshape(-1))
+    # padded: the padding is the copy
+    padded_layout = spec_of_shape((rows - 1, 64), world)
+    flat = gather_in([shard[:-1]], arithmetic.sizes([padded_layout]), torch.float32)
+    assert flat.data_ptr() != shard.data_ptr()
+    assert torch.equal(flat[: shard[:-1].numel()], shard[:-1].reshape(-1))
+    assert not flat[shard[:-1].numel() :].any()
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize(
     "grad_dtype,reduce_dtype,shard_dtype",

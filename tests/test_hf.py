@@ -266,11 +266,11 @@ class _CountingTrainer:
 
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     loss = super().training_step(model, inputs, num_items_in_batch)
-                # gloo on torch >= 2.14: issued as all-reduces (compat)
+                # on gloo: in-place all-reduces (compat.gloo_reduce_scatter_as_all_reduce)
                 events = [
                     e
                     for e in prof.events()
-                    if "reduce_scatter" in e.name or e.name == "_c10d_functional::all_reduce"
+                    if "reduce_scatter" in e.name or e.name == "_c10d_functional::all_reduce_"
                 ]
                 self.counts.append((bool(self.accelerator.sync_gradients), len(events)))
                 return loss

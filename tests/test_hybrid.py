@@ -24,7 +24,8 @@ from .dist_utils import run_ranks, run_scenarios
 from .training import PER_RANK_BATCH, build, full_optimizer_state, make_optimizer, rel_diff
 
 TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
-SHARD_REDUCTION = "reduce_scatter"  # the shard groups' reduction by default (compat.py)
+# the shard groups' reduction by default: on gloo an in-place all-reduce (compat.py)
+SHARD_REDUCTION = "all_reduce"
 
 
 def _mesh(shape):
@@ -34,8 +35,8 @@ def _mesh(shape):
 def train(rank, world, shape, model_name, codegen, precision=None, accumulate=False, rs=None):
     """3 SGD-momentum steps on every rank's slice; the reference trains the whole batch.
 
-    ``rs="all_reduce"``: gradient reduce-scatters issued as all-reduces whatever the torch
-    (compat.gloo_reduce_scatter_as_all_reduce)."""
+    ``rs="gloo"``: gradient reductions issued as gloo's own reduce-scatters instead of in-place
+    all-reduces (compat.gloo_reduce_scatter_as_all_reduce)."""
     if rs is not None:
         os.environ["ZERO3_GLOO_REDUCE_SCATTER"] = {"all_reduce": "0", "gloo": "1"}[rs]
     try:
@@ -176,8 +177,8 @@ CASES = [
     ("train", (4, 1), "mlp", "eager"),
     ("train", (2, 2), "mlp", "eager", "bf16"),
     ("train", (2, 2), "gpt", "eager", None, True),
-    ("train", (2, 2), "gpt", "eager", None, True, "all_reduce"),
-    ("train", (1, 4), "gpt", "eager", None, False, "all_reduce"),
+    ("train", (2, 2), "gpt", "eager", None, True, "gloo"),
+    ("train", (1, 4), "gpt", "eager", None, False, "gloo"),
 ]
 
 
@@ -234,10 +235,10 @@ def test_collectives_per_group():
     "case", [c for c in CASES if len(c) == 7], ids=lambda c: "-".join(str(x) for x in c[1:])
 )
 def test_gloo_reduce_scatter_switch_picks_the_shard_groups_reduction(case):
-    """ZERO3_GLOO_REDUCE_SCATTER=0 issues the shard group's reductions as all-reduces; on a 2-D
-    mesh each rank's rows are taken before the replica stage, so
-    the replica all-reduces still carry the gradient shards only."""
-    want = case[-1]
+    """ZERO3_GLOO_REDUCE_SCATTER=1 issues the shard group's reductions as gloo's reduce-scatters
+    (by default they are in-place all-reduces); either way the replica all-reduces of a 2-D mesh
+    carry the gradient shards only (each rank's rows are taken before the replica stage)."""
+    want = {"gloo": "reduce_scatter", "all_reduce": "all_reduce"}[case[-1]]
     for r in results()[case]:
         on_shard = {kind for _, kind, group, _ in r["collectives"] if group == "shard"}
         assert on_shard == {"all_gather", want}

@@ -104,20 +104,47 @@ def test_two_models_keep_their_own_timeouts():
     assert seconds is not None and 6.0 < seconds < 60.0, seconds
 
 
-def test_gloo_reduce_scatters_are_all_reduces_from_torch_2_14():
-    """gloo's own reduce-scatter on torch 2.14 is where every heap corruption of the soak runs
-    happened (compat.gloo_reduce_scatter_as_all_reduce); the values are checked by every
-    equivalence test."""
-    from torch.torch_version import TorchVersion
-
-    newer = TorchVersion(torch.__version__) >= (2, 14)
-    op = (
-        "_c10d_functional.all_reduce.default"
-        if newer
-        else "_c10d_functional.reduce_scatter_tensor.default"
-    )
+def test_gloo_reductions_are_in_place_all_reduces():
+    """On gloo a gradient reduction is an all-reduce in place on the copy-in's buffer (gloo's
+    reduce-scatter would all-reduce a copy of it: compat.gloo_reduce_scatter_as_all_reduce);
+    the values are checked by every equivalence test."""
     for out in two_models():
-        assert out["reductions"] == [op]
+        assert out["reductions"] == ["_c10d_functional.all_reduce_.default"]
+
+
+def _lone_reduction(rank, world):
+    """A bf16 gradient of one parameter reduced in fp32 on gloo, under the profiler."""
+    from zero3_compile.collectives import schemes
+    from zero3_compile.sharding.spec import spec_of_shape
+
+    from .test_arithmetic import _peak_allocated
+
+    group = dist.group.WORLD.group_name
+    spec = spec_of_shape((8192, 64), world, group=group)
+    torch.manual_seed(rank)
+    grad = torch.randint(-8, 8, (8192, 64)).to(torch.bfloat16)
+    scheme = schemes.reduce_scheme(spec, torch.float32, torch.float32)
+    shapes = [(8192 // world, 64)]
+    (shard,) = schemes.run_reduce(scheme, schemes.EAGER, [grad], [spec], shapes)
+    peak = _peak_allocated(
+        lambda: schemes.run_reduce(scheme, schemes.EAGER, [grad], [spec], shapes)
+    )
+    grads = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(grads, grad)
+    want = (sum(g.float() for g in grads) / world).chunk(world)[rank]
+    return {
+        "exact": torch.equal(shard.view(want.shape), want),
+        "peak": peak,
+        "full": grad.numel() * 4,
+    }
+
+
+def test_a_gloo_reduction_holds_one_full_copy_of_the_gradient():
+    """Cast to fp32 (one full-size buffer), summed in place, this rank's rows divided out: not
+    cast, concatenated and copied again by gloo's reduce-scatter (three full-size buffers)."""
+    for out in run_ranks(_lone_reduction, 2, timeout=120):
+        assert out["exact"]
+        assert out["full"] <= out["peak"] < 1.6 * out["full"], out
 
 
 def test_optimizer_hooks_only_on_the_models_optimizers():

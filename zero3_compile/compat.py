@@ -180,25 +180,27 @@ def backend_of(group_name: str) -> str:
 
 
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
-    """This rank's index in ``group_name`` where its reduce-scatters are to be issued as
-    all-reduces (the caller keeps its own rows), else None: only with
-    ``ZERO3_GLOO_REDUCE_SCATTER=0``, on gloo groups.
+    """This rank's index in ``group_name`` where its reduce-scatters are to be issued as in-place
+    all-reduces of the copy-in's buffer (the caller keeps its own rows), else None: on gloo
+    groups, unless ``ZERO3_GLOO_REDUCE_SCATTER=1``.
 
-    History: the heap corruptions of our soak runs on torch 2.14 had a gloo worker in an
-    all-reduce while the main thread was inside gloo's reduce-scatter, so 2.14 issued them as
-    all-reduces for a while. ``bench/repros/gloo_reduce_scatter_race.py`` then showed the trigger
-    is any collectives in flight together, all-reduces too; the cure is
-    ``passes/serialize.py`` (one gloo collective in flight), and gloo's own reduce-scatter is
-    used again. gloo reduce-scatters by all-reducing a copy of the whole input, so the switch
-    moves the same bytes; it stays for comparisons.
+    gloo has no reduce-scatter of its own: its ``reduce_scatter_tensor`` all-reduces a copy of
+    the whole input. The same all-reduce issued in place on the buffer the copy-in made moves
+    the same bytes without that second full-size copy (1.5 GB for the tied embedding of a 3B
+    Llama). ``ZERO3_GLOO_REDUCE_SCATTER=1`` issues gloo's own reduce-scatter, for comparisons.
+
+    History: the heap corruptions of our soak runs on torch 2.14 were first blamed on gloo's
+    reduce-scatter; ``bench/repros/gloo_reduce_scatter_race.py`` showed the trigger is any
+    collectives in flight together, all-reduces too; the cure is ``passes/serialize.py`` (one
+    gloo collective in flight).
     """
     choice = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
     if choice not in ("", "0", "1"):
         raise ValueError(
-            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 0 (issue gloo's reduce-scatters as "
-            "all-reduces), 1 or leave it unset (gloo's own reduce-scatter)"
+            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 1 (gloo's own reduce-scatter), 0 or leave "
+            "it unset (an in-place all-reduce of the copy-in's buffer)"
         )
-    if choice != "0" or backend_of(group_name) != "gloo":
+    if choice == "1" or backend_of(group_name) != "gloo":
         return None
     return resolve_group(group_name).rank()
 

@@ -65,12 +65,22 @@ def gather_copy_in(
     """The flat input of a bucket's all-gather: each shard cast, flattened and padded to its
     ``size`` (``ShardSpec.padded_numel``), concatenated."""
     flats = [_padded(cast(shard, dtype).reshape(-1), size) for shard, size in zip(shards, sizes)]
+    if len(flats) == 1:  # no concatenation: a second full-size copy of a huge lone parameter
+        return _owned(flats[0], shards[0], dtype, sizes[0])
     return torch.cat(flats)  # (bucket_numel,)
 
 
 def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
     pad = numel - flat.numel()
     return F.pad(flat, (0, pad)) if pad else flat
+
+
+def _owned(flat: torch.Tensor, source: torch.Tensor, dtype: torch.dtype, numel: int):
+    """``flat``, made from ``source`` by a cast, a flattening and a padding, as memory of its own:
+    it already is unless none of the three copied."""
+    if source.dtype != dtype or source.numel() != numel or not source.is_contiguous():
+        return flat
+    return flat.clone()
 
 
 def gather_input(
@@ -134,6 +144,8 @@ def reduce_copy_in(
         _padded(cast(grad, dtype).reshape(-1), world * size).view(world, size)
         for grad, size in zip(grads, sizes)
     ]
+    if len(pieces) == 1:  # (N, size) is already rank-major
+        return _owned(pieces[0].view(-1), grads[0], dtype, world * sizes[0])
     return torch.cat(pieces, 1).view(-1)  # (N, bucket_numel) -> (N * bucket_numel,)
 
 
@@ -143,10 +155,12 @@ def reduce_input(
     sizes: Sequence[int],
     dtype: torch.dtype,
     copy_in=reduce_copy_in,
+    owned: bool = False,
 ) -> torch.Tensor:
     """The reduce-scatter's input: a lone gradient that needs no cast and no padding is used as
-    it is (a view); otherwise ``copy_in`` (in graphs, ``zero3::reduce_copy_in``)."""
-    if len(grads) == 1 and _flat_as_is(grads[0], world * sizes[0], dtype):
+    it is (a view), unless the result must be ``owned`` (a collective will write into it);
+    otherwise ``copy_in`` (in graphs, ``zero3::reduce_copy_in``)."""
+    if not owned and len(grads) == 1 and _flat_as_is(grads[0], world * sizes[0], dtype):
         return grads[0].view(-1)
     return copy_in(list(grads), world, list(sizes), dtype)
 

@@ -46,6 +46,7 @@ import torch
 
 from ..compat import ALL_GATHER as ALL_GATHER_OP
 from ..compat import ALL_REDUCE as ALL_REDUCE_OP
+from ..compat import ALL_REDUCE_INPLACE as ALL_REDUCE_INPLACE_OP
 from ..compat import ALL_TO_ALL as ALL_TO_ALL_OP
 from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
@@ -271,13 +272,21 @@ class ReduceScheme:
         fixed = _fixed(emit, self.traced_copies)
         copy = copy_ops.REDUCE_COPY_IN if fixed else arithmetic.reduce_copy_in
 
+        owned = self._reduces_in_place
+
         def flat(*grads):
-            return arithmetic.reduce_input(grads, world, sizes, dtype, copy_in=copy)
+            return arithmetic.reduce_input(grads, world, sizes, dtype, copy_in=copy, owned=owned)
 
         return [emit.traced(roles.REDUCE_COPY_IN, flat, list(grads))]
 
     def _copy_in_world(self) -> int:
         return 1
+
+    @property
+    def _reduces_in_place(self) -> bool:
+        """The first collective writes into the copy-in's buffer, which must then be its own (never
+        a view of a gradient)."""
+        return False
 
     def issue(self, emit: Emit, stage: int, payloads: list) -> list:
         raise NotImplementedError
@@ -308,8 +317,9 @@ class ReduceScheme:
 class ReduceScatter(ReduceScheme):
     group: str = ""
     world_size: int = 1
-    # ``rank`` set: the bucket is summed with an all-reduce and this rank's rows are taken in the
-    # copy-out (gloo on torch >= 2.14, see ``compat.gloo_reduce_scatter_as_all_reduce``)
+    # ``rank`` set: the bucket is summed with an in-place all-reduce of the copy-in's buffer and
+    # this rank's rows are taken in the copy-out (gloo groups: gloo's reduce-scatter all-reduces a
+    # copy of the whole input, see ``compat.gloo_reduce_scatter_as_all_reduce``)
     rank: int | None = None
     stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
         (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
@@ -325,11 +335,20 @@ class ReduceScatter(ReduceScheme):
     def _copy_in_world(self) -> int:
         return self.world_size
 
+    @property
+    def _reduces_in_place(self) -> bool:
+        return self.rank is not None
+
     def issue(self, emit, stage, payloads):
         (flat,) = payloads
         if self.rank is not None:
             work = emit.collective(
-                roles.REDUCE_SCATTER, roles.GROUP_SHARD, ALL_REDUCE_OP, flat, "sum", self.group
+                roles.REDUCE_SCATTER,
+                roles.GROUP_SHARD,
+                ALL_REDUCE_INPLACE_OP,
+                flat,
+                "sum",
+                self.group,
             )
             return [work]
         work = emit.collective(

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..collectives.ops import SPOOL_GRAD
-from ..compat import ALL_GATHER, COLLECTIVES, WAIT, storage_key
+from ..compat import ALL_GATHER, ALL_REDUCE_INPLACE, COLLECTIVES, WAIT, storage_key
 
 
 @dataclass
@@ -83,9 +83,10 @@ def memory_timeline(
     delta = [0] * (end + 1)
     if gloo_temporaries:
         # gloo all-gathers into a temporary of the output's size and reduce-scatters through an
-        # all-reduce of a copy of the input; both live until the collective completes
+        # all-reduce of a copy of the input; both live until the collective completes (an
+        # in-place all-reduce has none)
         for node in nodes:
-            if node.target in COLLECTIVES:
+            if node.target in COLLECTIVES and node.target is not ALL_REDUCE_INPLACE:
                 source = node if node.target is ALL_GATHER else node.args[0]
                 temporary = _nbytes(source.meta.get("val"))
                 delta[position[node]] += temporary
