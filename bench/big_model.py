@@ -4,7 +4,7 @@ trained with parameters and optimizer state on disk, phase by phase.
     python bench/big_model.py --model llama-1b --world 2 --offload disk --steps 3
     python bench/big_model.py --model llama-1.5b --world 2 --offload disk --steps 3 --checkpoint
     python bench/big_model.py --model llama-3b --world 2 --offload disk --steps 3
-    python bench/big_model.py --model llama-1b --contenders zero3,fsdp2 --offload none
+    python bench/big_model.py --model llama-1b --contenders zero3,fsdp2,deepspeed --offload none
 
 Run it alone on the machine. The checkpoint (bf16 safetensors, Hugging Face layout) is written
 once under ``--cache``, tensor by tensor, never holding the model; each contender then runs in
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.launch import run_ranks  # noqa: E402
+from bench.launch import RankError, run_ranks  # noqa: E402
 from bench.offload import _stores  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,7 +83,9 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
-        "--tile-mb", type=float, default=64.0,
+        "--tile-mb",
+        type=float,
+        default=64.0,
         help="offload_optimizer's tile (a parameter larger than it steps in pieces)",
     )
     parser.add_argument("--seq", type=int, default=256, help="tokens per rank and step")
@@ -230,15 +232,19 @@ def _batch(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, seq), generator=gen)
 
 
-def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict):
+def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict, backward=None):
     """The first step (it compiles) and the others as two phases; returns the step function
-    and the losses list it appends to."""
+    and the losses list it appends to. ``backward(loss)``: instead of ``loss.backward()``
+    (DeepSpeed's engine)."""
     losses = []
 
     def step(i):
         ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
         loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -414,6 +420,57 @@ def run_fsdp2(rank, world, cfg: dict):
     return {"phases": phases.records, "losses": losses, "steps": cfg["steps"]}
 
 
+class _EngineStep:
+    """DeepSpeed's engine as the optimizer ``_train_phases`` calls: ``engine.step()`` steps and
+    clears the gradients."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def step(self):
+        self.engine.step()
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+def run_deepspeed(rank, world, cfg: dict):
+    """DeepSpeed ZeRO-3 as its users load a Hugging Face model: ``HfDeepSpeedConfig`` alive
+    before ``from_pretrained`` (parameters partitioned as they are created, under
+    ``deepspeed.zero.Init``), then ``deepspeed.initialize``; AdamW as torch's
+    (``torch_adam``), everything in memory (no offload)."""
+    import deepspeed
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "steps_per_print": 1 << 30,
+    }
+    if cfg["bf16"]:
+        config["bf16"] = {"enabled": True}
+    phases = Phases()
+    with phases.phase("load"):
+        keep = HfDeepSpeedConfig(config)  # noqa: F841  (from_pretrained reads it while alive)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            cfg["checkpoint"], dtype=torch.float32
+        )
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        engine.train()
+    _, losses = _train_phases(
+        phases, engine, _EngineStep(engine), rank, cfg, backward=engine.backward
+    )
+    return {"phases": phases.records, "losses": losses, "steps": cfg["steps"]}
+
+
 # --------------------------------------------------------------------------- the disk
 
 
@@ -554,12 +611,18 @@ def main(argv=None) -> None:
             times.append(max(r["step_s"] for r in per_rank))
         (d1, d2), (t1, t2) = depths[:2], times
         compute = t1 + (shape.layers - d1) * (t2 - t1) / (d2 - d1)
-    runs = {}
+    runs, failed = {}, {}
     for name in [c for c in args.contenders.split(",") if c]:
         cfg = {**base, "tag": name, "save": args.checkpoint}
-        fn = {"zero3": run_zero3, "fsdp2": run_fsdp2}[name]
-        per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name, timeout_s=14400,
-                             env=env)  # fmt: skip
+        fn = {"zero3": run_zero3, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}[name]
+        extra = {"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else {}
+        try:
+            per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name,
+                                 timeout_s=14400, env={**env, **extra})  # fmt: skip
+        except RankError as error:  # an OOM kill is a result: say so and go on
+            failed[name] = str(error).splitlines()[0][:300]
+            print(f"{name}: failed: {failed[name]}", flush=True)
+            continue
         if name == "zero3" and args.checkpoint:
             resumed = run_ranks(run_resume, args.world, (cfg,), log_dir=logs, name="resume",
                                 timeout_s=14400, env=env)  # fmt: skip
@@ -576,6 +639,7 @@ def main(argv=None) -> None:
         runs[name] = per_rank
     shutil.rmtree(args.scratch, ignore_errors=True)  # offload files are unlinked already
     text = report(args, shape, disk, runs, compute)
+    text += "".join(f"\n## {name}\n\nfailed: {why}\n" for name, why in failed.items())
     print(text)
     tag = f"{args.model}-{args.offload}-w{args.world}"
     with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
