@@ -13,6 +13,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -152,6 +153,17 @@ def pieces(rank, world, optimizer, grads_tier):
         "subclass": lambda ps: _OwnAdamW(ps, lr=1e-2),
     }[optimizer]
     opt = z3.offload_optimizer(make(model.parameters()), tile_mb=0.05)
+    # a slow store allocation widens the window in which two pieces' writes, in flight together
+    # on the workers, could each find no region for new state (one allocated each, the first
+    # piece's values lost): regions are claimed on the stepping thread
+    store = opt._zero3_offload.store
+    allocate = store.allocate
+
+    def slow_allocate(nbytes):
+        time.sleep(0.05)
+        return allocate(nbytes)
+
+    store.allocate = slow_allocate
     twin_opt = make(twin.parameters())
     steps = []
     for m, o in ((model, opt), (twin, twin_opt)):

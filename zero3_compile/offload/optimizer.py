@@ -377,6 +377,11 @@ class _OptimizerOffload:
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)
                 if isinstance(tile[0], _Piece):
                     self._step_piece(tile[0])
+                    self._claim_piece_state(tile[0])
+                    if tile[0].last and writes:
+                        # the parameter's other pieces are written before its last one evicts
+                        # what they read from (a shard or state stepped in place)
+                        writes[-1].result()
                 else:
                     self._step_tile(tile)
                 writes.append(self.workers.submit(write_and_evict, tile))
@@ -474,6 +479,26 @@ class _OptimizerOffload:
         piece.grad = None
         self.pieces_stepped += 1
 
+    def _claim_piece_state(self, piece: _Piece) -> None:
+        """On the stepping thread, before the piece's write is submitted: the store regions of
+        state this step created and the evicted placeholders of the whole. Two pieces' writes run
+        at once on the workers; claimed there, both could find no region and allocate one each,
+        and the state's earlier pieces would be lost in a region no longer used."""
+        param = piece.param
+        local = _local(param)
+        whole = self.optimizer.state.setdefault(param, {})
+        for key, value in piece.state.items():
+            if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                continue
+            handle = (id(param), key)
+            if handle not in self.regions:  # state this step created
+                self.regions[handle] = self.store.allocate(local.numel() * value.element_size())
+            if key not in whole:  # evicted from the start: its pieces go to the store only
+                empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
+                empty.untyped_storage().resize_(0)
+                whole[key] = _like(param, empty)
+                self.evicted.add(handle)
+
     def _write_piece(self, piece: _Piece) -> None:
         """Write the piece's shard and state to the stores' free slots; after the last piece
         the parameter's state holds the scalars and (evicted) tensors of the whole."""
@@ -484,21 +509,13 @@ class _OptimizerOffload:
             record.store.write_part(record.region, piece.shard, start * piece.shard.element_size())
             if piece.last and not record.evicted:
                 evict_shard(shard)
-        local = _local(param)
-        whole = self.optimizer.state.setdefault(param, {})
+        whole = self.optimizer.state[param]  # claimed by ``_claim_piece_state``
         for key, value in piece.state.items():
             if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                 if piece.last:
                     whole[key] = value
                 continue
             handle = (id(param), key)
-            if handle not in self.regions:  # state this step created
-                self.regions[handle] = self.store.allocate(local.numel() * value.element_size())
-            if key not in whole:  # evicted from the start: its pieces go to the store only
-                empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
-                empty.untyped_storage().resize_(0)
-                whole[key] = _like(param, empty)
-                self.evicted.add(handle)
             self.store.write_part(self.regions[handle], value, start * value.element_size())
             if piece.last and handle not in self.evicted:  # it was in memory (stepped in place)
                 self._evict_one(handle, _local(whole[key]))
