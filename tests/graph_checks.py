@@ -6,7 +6,7 @@ import re
 
 import torch.fx as fx
 
-from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
 from zero3_compile.compiler.graph_facts import param_derived
 from zero3_compile.compiler.node_keys import PARAMS, ROLE, ROLE_REDUCE_SCATTER
 from zero3_compile.compiler.recording import GraphRecord
@@ -22,11 +22,14 @@ def saved_gathered_parameters(record: GraphRecord) -> list[str]:
 
 
 def is_reduce_scatter(node: fx.Node) -> bool:
-    """A gradient reduce-scatter, also where it is issued as an all-reduce of the bucket (gloo on
-    torch >= 2.14, ``compat.gloo_reduce_scatter_as_all_reduce``)."""
+    """A gradient reduce-scatter, also where it is issued as an all-reduce of the bucket (in
+    place on gloo groups, ``compat.gloo_reduce_scatter_as_all_reduce``)."""
     if node.target is REDUCE_SCATTER:
         return True
-    return node.target is ALL_REDUCE and node.meta.get(ROLE) == ROLE_REDUCE_SCATTER
+    return (
+        node.target in (ALL_REDUCE, ALL_REDUCE_INPLACE)
+        and node.meta.get(ROLE) == ROLE_REDUCE_SCATTER
+    )
 
 
 def collective_counts(gm: fx.GraphModule) -> dict[str, int]:
