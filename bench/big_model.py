@@ -32,7 +32,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,6 +82,9 @@ def parse_args(argv=None):
         help="one copy of the offloaded state on disk (double_buffer=False): half the disk",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--layers", type=int, default=0, help="probe: the model's width at this depth"
+    )
     parser.add_argument(
         "--tile-mb",
         type=float,
@@ -513,7 +516,7 @@ def report(args, shape, disk, runs, compute) -> str:
         params = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
     state_gb = params * 16 / 1e9  # fp32 parameters, gradients, Adam's two moments
     lines = [
-        f"# big_model: {args.model}, {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
+        f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
         f"{'one copy' if args.single_copy else 'two copies'} on disk), codegen {args.codegen}, bf16 {args.bf16}; torch "
@@ -588,10 +591,13 @@ def report(args, shape, disk, runs, compute) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     shape = SHAPES[args.model]
+    name = args.model
+    if args.layers:
+        shape, name = replace(shape, layers=args.layers), f"{args.model}-l{args.layers}"
     os.makedirs(args.out, exist_ok=True)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.world))}
     logs = os.path.join(args.out, "logs")
-    checkpoint = write_checkpoint(os.path.join(args.cache, args.model), shape)
+    checkpoint = write_checkpoint(os.path.join(args.cache, name), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 single_copy=args.single_copy,
@@ -641,7 +647,7 @@ def main(argv=None) -> None:
     text = report(args, shape, disk, runs, compute)
     text += "".join(f"\n## {name}\n\nfailed: {why}\n" for name, why in failed.items())
     print(text)
-    tag = f"{args.model}-{args.offload}-w{args.world}"
+    tag = f"{name}-{args.offload}-w{args.world}"
     with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
