@@ -217,6 +217,7 @@ class Phases:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         start_rss = _status_kib("VmRSS") * 1024
+        print(f"[phase] {name}: starts at {start_rss / 1e9:.2f} GB resident", flush=True)
         before = self._counters()
         start = time.perf_counter()
         yield
@@ -414,9 +415,14 @@ def run_fsdp2(rank, world, cfg: dict):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             cfg["checkpoint"], dtype=torch.float32
         )
+        policy = {}
+        if cfg["bf16"]:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            policy = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **policy)
+        fully_shard(model, **policy)
         model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     _, losses = _train_phases(phases, model, opt, rank, cfg)
