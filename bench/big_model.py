@@ -101,6 +101,10 @@ def parse_args(argv=None):
     parser.add_argument("--scratch", default=os.path.join(HERE, "out", "big", "scratch"))
     parser.add_argument("--out", default=os.path.join(HERE, "out", "big"))
     parser.add_argument("--skip-disk-test", action="store_true")
+    parser.add_argument(
+        "--cold", action="store_true",
+        help="drop the page cache before each contender (root): the load reads the disk",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -507,6 +511,16 @@ def disk_bandwidth(folder: str, size: int = 2 * GiB, block: int = 16 * 2**20) ->
     return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9}
 
 
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root only), so the next read is the disk's."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+    except OSError as error:
+        raise SystemExit(f"--cold needs root to drop the page cache: {error}") from error
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -626,6 +640,8 @@ def main(argv=None) -> None:
     runs, failed = {}, {}
     for name in [c for c in args.contenders.split(",") if c]:
         cfg = {**base, "tag": name, "save": args.checkpoint}
+        if args.cold:
+            drop_page_cache()
         fn = {"zero3": run_zero3, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}[name]
         extra = {"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else {}
         try:
