@@ -9,6 +9,7 @@ import torch
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
 from zero3_compile.collectives import arithmetic
+from zero3_compile.inspect import measure_peak_bytes
 from zero3_compile.sharding.spec import spec_of_shape
 
 SHAPES = [(10, 6), (3,), (5, 2, 3), (4, 4), (1, 7)]  # uneven rows, fewer rows than ranks
@@ -73,21 +74,6 @@ def test_lone_shard_or_gradient_needing_no_copy_is_used_as_it_is(world):
     assert cast.data_ptr() != grad.data_ptr() and torch.equal(cast, grad.reshape(-1).bfloat16())
 
 
-def _peak_allocated(fn) -> int:
-    """Bytes allocated above the start at the peak of ``fn()``, from the profiler's CPU
-    allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    sizes = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()]
-    live = peak = 0
-    for _, nbytes in sorted(s for s in sizes if s[1] != 0):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("graph_ops", [False, True], ids=["eager", "graph-ops"])
 def test_a_lone_member_is_copied_once_and_an_owned_input_never_aliases(graph_ops):
     """A huge lone parameter (a 3B Llama's tied embedding: 1.5 GB of fp32 gradient) must not
@@ -102,13 +88,13 @@ def test_a_lone_member_is_copied_once_and_an_owned_input_never_aliases(graph_ops
     copy_in = ops.reduce_copy_in.default if graph_ops else arithmetic.reduce_copy_in
     flat = arithmetic.reduce_input([grad], world, sizes, torch.float32, copy_in=copy_in)
     assert torch.equal(flat, grad.reshape(-1).float())
-    peak = _peak_allocated(
+    (peak, _) = measure_peak_bytes(
         lambda: arithmetic.reduce_input([grad], world, sizes, torch.float32, copy_in=copy_in)
     )
     assert fp32_bytes <= peak < 1.5 * fp32_bytes, (peak, fp32_bytes)
     shard = torch.randn(rows // world, 64)
     gather_in = ops.gather_copy_in.default if graph_ops else arithmetic.gather_copy_in
-    peak = _peak_allocated(lambda: gather_in([shard], sizes, torch.bfloat16))
+    (peak, _) = measure_peak_bytes(lambda: gather_in([shard], sizes, torch.bfloat16))
     assert shard.numel() * 2 <= peak < 1.5 * shard.numel() * 2, peak
     as_is = torch.randn(rows, 64)
     owned = arithmetic.reduce_input([as_is], world, sizes, torch.float32, copy_in, owned=True)

@@ -115,9 +115,8 @@ def test_gloo_reductions_are_in_place_all_reduces():
 def _lone_reduction(rank, world):
     """A bf16 gradient of one parameter reduced in fp32 on gloo, under the profiler."""
     from zero3_compile.collectives import schemes
+    from zero3_compile.inspect import measure_peak_bytes
     from zero3_compile.sharding.spec import spec_of_shape
-
-    from .test_arithmetic import _peak_allocated
 
     group = dist.group.WORLD.group_name
     spec = spec_of_shape((8192, 64), world, group=group)
@@ -126,7 +125,7 @@ def _lone_reduction(rank, world):
     scheme = schemes.reduce_scheme(spec, torch.float32, torch.float32)
     shapes = [(8192 // world, 64)]
     (shard,) = schemes.run_reduce(scheme, schemes.EAGER, [grad], [spec], shapes)
-    peak = _peak_allocated(
+    (peak, _) = measure_peak_bytes(
         lambda: schemes.run_reduce(scheme, schemes.EAGER, [grad], [spec], shapes)
     )
     grads = [torch.empty_like(grad) for _ in range(world)]
