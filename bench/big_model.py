@@ -458,14 +458,11 @@ def run_deepspeed(rank, world, cfg: dict):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     deepspeed.init_distributed(dist_backend="gloo")
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
-        "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "steps_per_print": 1 << 30,
-    }
+    from bench.contenders import Context, OptimConfig, deepspeed_config
+
+    # torch.optim.AdamW(lr=1e-4) with its defaults: what the other contenders step with
+    adamw = OptimConfig(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    config = deepspeed_config(Context(rank, world, torch.device("cpu"), "gloo", 1, adamw))
     if cfg["bf16"]:
         config["bf16"] = {"enabled": True}
     phases = Phases()
