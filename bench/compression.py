@@ -9,7 +9,9 @@ A byte-level LM (vocab 256) trains on a fixed text corpus that ships with Python
 compression setting, on gloo ranks, eager codegen. For each setting: the loss curve (every step,
 the mean over ranks), the held-out loss at the end, the bytes one step puts on the wire per rank
 (from ``explain``: all-gathers and gradient reductions, before and after compression), and the
-step time here (loopback: bytes cost little, so it is not where compression pays).
+step time here (loopback: bytes cost little, so it is not where compression pays). The recipe:
+AdamW at ``--lr`` (3e-3), ``--schedule constant`` or ``cosine`` (5% linear warmup, cosine decay to
+0.1x), ``--eval-batches`` held-out batches per rank (16).
 
 The ranks are laid out in nodes of ``--ranks-per-node`` k consecutive ranks (default 1: every
 byte crosses the network); hpZ's settings (``secondary_shard="node"``, k from
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,7 +62,8 @@ SETTINGS = {
 NODE_ROLE = "node"  # explain's group role of hpZ's node groups
 INTRA_GBPS = 1600
 MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
-SEQ, PER_RANK, LR, EVAL_BATCHES = 64, 8, 3e-3, 16
+SEQ, PER_RANK = 64, 8
+WARMUP, FINAL_LR = 0.05, 0.1  # --schedule cosine: warmup share of the steps, final factor
 
 
 def corpus() -> torch.Tensor:
@@ -75,7 +79,22 @@ def batch(data: torch.Tensor, rows: int, gen: torch.Generator):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed: int = 0) -> dict:
+def lr_factor(step: int, steps: int, schedule: str) -> float:
+    """``constant``, or ``cosine``: linear warmup, then cosine decay to ``FINAL_LR`` (the last
+    steps move the weights little, so the held-out loss at the end measures where training got,
+    not where the last batches threw it)."""
+    if schedule == "constant":
+        return 1.0
+    warmup = max(1, round(WARMUP * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return FINAL_LR + (1 - FINAL_LR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(
+    rank: int, world: int, model_name: str, setting: str, steps: int, recipe: dict, seed: int = 0
+) -> dict:
     import zero3_compile as z3
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -92,7 +111,10 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed
     if world > 1:
         x, _ = batch(train_data, PER_RANK, torch.Generator().manual_seed(99))
         report = z3.explain(step_model, x).to_dict()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, steps, recipe["schedule"])
+    )
     losses, times = [], []
     for _ in range(steps):
         inputs, targets = batch(train_data, world * PER_RANK, gen)  # the same on every rank
@@ -102,6 +124,7 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed
         loss.backward()
         opt.step()
         opt.zero_grad()
+        schedule.step()
         times.append(time.perf_counter() - start)
         total = loss.detach().clone()
         if world > 1:
@@ -110,7 +133,7 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed
     eval_gen = torch.Generator().manual_seed(12345)
     eval_losses = []
     with torch.no_grad():
-        for _ in range(EVAL_BATCHES):
+        for _ in range(recipe["eval_batches"]):
             eval_losses.append(lm_loss(step_model, batch(eval_data, PER_RANK, eval_gen)).item())
     eval_loss = torch.tensor(statistics.fmean(eval_losses))
     if world > 1:
@@ -133,13 +156,20 @@ def train(rank: int, world: int, model_name: str, setting: str, steps: int, seed
 
 
 def _job(
-    rank: int, world: int, model_name: str, setting: str, steps: int, per_node: int, seed: int = 0
+    rank: int,
+    world: int,
+    model_name: str,
+    setting: str,
+    steps: int,
+    recipe: dict,
+    per_node: int,
+    seed: int = 0,
 ) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        return train(rank, world, model_name, setting, steps, seed)
+        return train(rank, world, model_name, setting, steps, recipe, seed)
     finally:
         dist.destroy_process_group()
 
@@ -148,6 +178,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's (peak) learning rate")
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank")
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--settings", default=None, help="default: every one that applies")
     parser.add_argument("--ranks-per-node", type=int, default=1)
@@ -159,6 +192,7 @@ def main() -> None:
         "beside seed 0: the spread of the held-out loss the settings' differences compare to",
     )
     args = parser.parse_args()
+    recipe = {"lr": args.lr, "schedule": args.schedule, "eval_batches": args.eval_batches}
     per_node = args.ranks_per_node
     if args.world % per_node:
         parser.error("--ranks-per-node must divide --world")
@@ -171,6 +205,7 @@ def main() -> None:
         "world": args.world,
         "ranks_per_node": per_node,
         "steps": args.steps,
+        "recipe": recipe,
         "models": {},
     }
     for model_name in args.models.split(","):
@@ -178,7 +213,7 @@ def main() -> None:
         compute = run_ranks(
             _job,
             1,
-            (model_name, "none", min(args.steps, 40), 1),
+            (model_name, "none", min(args.steps, 40), recipe, 1),
             log_dir=log_dir,
             name=f"{model_name}-compute",
             timeout_s=1800,
@@ -187,7 +222,7 @@ def main() -> None:
             per_rank = run_ranks(
                 _job,
                 args.world,
-                (model_name, setting, args.steps, per_node),
+                (model_name, setting, args.steps, recipe, per_node),
                 log_dir=log_dir,
                 name=f"{model_name}-{setting}",
                 timeout_s=3600,
@@ -198,7 +233,7 @@ def main() -> None:
             per_rank = run_ranks(
                 _job,
                 args.world,
-                (model_name, "none", args.steps, per_node, seed),
+                (model_name, "none", args.steps, recipe, per_node, seed),
                 log_dir=log_dir,
                 name=f"{model_name}-none-seed{seed}",
                 timeout_s=3600,
