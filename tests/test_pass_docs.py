@@ -10,6 +10,7 @@ import zero3_compile  # noqa: F401  (registers the zero3:: ops)
 from zero3_compile.compiler.passes import (
     assign_buckets,
     dedupe_gathers,
+    handoff_gathers,
     insert_guard,
     lower_gathers,
     lower_reductions,
@@ -77,18 +78,28 @@ def examples():
             "forward",
             {},
         ),
+        (
+            handoff_gathers,
+            lambda: chain_graph(1),
+            (assign_buckets, lower_gathers, prefetch_gathers),
+            "forward",
+            {},
+        ),
     ]
 
 
 # options of the plan an example runs under (default: the defaults)
-PLAN_OPTIONS = {serialize_collectives: {"prefetch_depth": 2, "serial_collectives": True}}
+PLAN_OPTIONS = {
+    serialize_collectives: {"prefetch_depth": 2, "serial_collectives": True},
+    handoff_gathers: {"cross_graph_prefetch": True},
+}
 
 
 def example_plan(graph_pass, kind):
     return plan(kind, **PLAN_OPTIONS.get(graph_pass, {}))
 
 
-@pytest.mark.parametrize("index", range(8), ids=[e[0].__name__ for e in examples()])
+@pytest.mark.parametrize("index", range(9), ids=[e[0].__name__ for e in examples()])
 def test_docstring_pictures_are_what_the_pass_does(index):
     graph_pass, build, before_passes, kind, options = examples()[index]
     gm = build()

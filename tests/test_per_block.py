@@ -63,16 +63,21 @@ def build(kind: str):
 
 
 def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
-    """STEPS SGD steps of the sharded model compiled ``how`` ("whole" or "per_block") on each
-    rank's slice, and of the unsharded twin on the whole batch."""
+    """STEPS SGD steps of the sharded model compiled ``how`` ("whole", "per_block", or
+    "per_block_handoff": with ``cross_graph_prefetch``) on each rank's slice, and of the
+    unsharded twin on the whole batch."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
+    from zero3_compile.runtime.handoff import HANDOFF
+
     counters.clear()
+    HANDOFF.reset()
+    HANDOFF.taken = HANDOFF.discarded = 0
     model, blocks_of, loss_fn = build(kind)
     reference = copy.deepcopy(model)
     z3.shard(model)
-    options = {"codegen": codegen}
+    options = {"codegen": codegen, "cross_graph_prefetch": how == "per_block_handoff"}
     if how == "whole":
         step_model = torch.compile(model, backend="zero3", options=options)
     else:
@@ -106,6 +111,8 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
         "unique_graphs": counters["stats"]["unique_graphs"],
         "compiled_calls": calls[0],
         "graphs": [r.kind for r in records],
+        "handoff": (HANDOFF.taken, HANDOFF.discarded),
+        "code": [r.source_code for r in records if r.source_code is not None],
         "overlapped": [
             g["overlapped"]
             for r in records
@@ -134,9 +141,10 @@ def _count_compiled_calls() -> list[int]:
 CASES = [
     (kind, how, codegen)
     for kind in ("gpt", "llama")
-    for how in ("whole", "per_block")
+    for how in ("whole", "per_block", "per_block_handoff")
     for codegen in ("eager", "inductor")
-    if (kind, how, codegen) != ("llama", "whole", "inductor")
+    if (kind, how, codegen)
+    not in (("llama", "whole", "inductor"), ("llama", "per_block_handoff", "inductor"))
 ]
 
 
@@ -180,6 +188,23 @@ def test_whole_model_gathers_overlap_compute_across_block_boundaries():
         overlapped = r["overlapped"]
         assert len(overlapped) >= 2 * DEPTH, overlapped
         assert sum(overlapped) >= len(overlapped) - 2, overlapped
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_per_block_graphs_hand_the_next_blocks_first_gather_over(codegen):
+    """With ``cross_graph_prefetch``, from the second step on every block's first all-gather
+    but the first block's (forward) and the last block's (backward) was issued by the graph
+    before it and taken over unchanged (none discarded); the losses are the eager ones (above).
+    Inductor's code calls the take and the handoff in the scheduled order (the backend checks
+    the generated order, ``signature.check_generated_order``)."""
+    for r in results()[("gpt", "per_block_handoff", codegen)]:
+        taken, discarded = r["handoff"]
+        assert taken == (STEPS - 1) * 2 * (DEPTH - 1), r["handoff"]
+        assert discarded == 0, r["handoff"]
+        if codegen == "inductor":
+            assert all("zero3.take_gather" in c and "zero3.handoff_gather" in c for c in r["code"])
+    for r in results()[("gpt", "per_block", codegen)]:
+        assert r["handoff"] == (0, 0), r["handoff"]  # off by default
 
 
 class TaggedBlock(nn.Module):

@@ -204,6 +204,56 @@ def _spool_grad_fake(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
 SPOOL_GRAD = torch.ops.zero3.spool_grad.default
 
 
+# ------------------------------------------------------------------------------- across graphs
+
+
+@torch.library.custom_op(
+    "zero3::take_gather",
+    mutates_args=(),
+    schema="(Tensor[] shards, str[] specs, ScalarType shard_dtype, int kind, str group) -> Tensor",
+)
+def take_gather(
+    shards: list[torch.Tensor], specs: list[str], shard_dtype: torch.dtype, kind: int, group: str
+) -> torch.Tensor:
+    """A graph's first gather bucket: its all-gather's output (to be waited), issued now, or the
+    one the previous graph's ``handoff_gather`` issued for exactly these shards
+    (``runtime/handoff.py``). ``group`` names the all-gather's process group."""
+    from ..runtime.handoff import HANDOFF
+
+    return HANDOFF.take(shards, specs, shard_dtype, kind)
+
+
+@take_gather.register_fake
+def _take_gather_fake(shards, specs, shard_dtype, kind, group):
+    parsed = [ShardSpec.parse(s) for s in specs]
+    scheme = gather_scheme(parsed[0], shard_dtype)
+    numel = sum(p.padded_numel for p in parsed) * parsed[0].world_size
+    return shards[0].new_empty(numel, dtype=scheme.dtype)
+
+
+@torch.library.custom_op(
+    "zero3::handoff_gather", mutates_args=(), schema="(Tensor after, int kind, str group) -> Tensor"
+)
+def handoff_gather(after: torch.Tensor, kind: int, group: str) -> torch.Tensor:
+    """Issue the next graph's first all-gather, as learnt (``runtime/handoff.py``); returns an
+    empty tensor whose ``wait_tensor`` waits it. ``after``: the last gathered value this graph
+    needed (orders the issue after it)."""
+    from ..runtime.handoff import HANDOFF
+
+    return HANDOFF.handoff(kind, after)
+
+
+@handoff_gather.register_fake
+def _handoff_gather_fake(after, kind, group):
+    return after.new_empty(0)
+
+
+TAKE_GATHER = torch.ops.zero3.take_gather.default
+HANDOFF_GATHER = torch.ops.zero3.handoff_gather.default
+mark_side_effect(TAKE_GATHER)
+mark_side_effect(HANDOFF_GATHER)
+
+
 # ------------------------------------------------------------------------------- leaf modules
 
 

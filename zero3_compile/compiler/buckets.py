@@ -37,6 +37,10 @@ class BucketRecord:
     waits: list[str] = field(default_factory=list)  # every wait, in order
     # bytes the bucket's collective would carry uncompressed (None: it is not compressed)
     full_bytes: int | None = None
+    # a gather's members: their spec literals and shard nodes, and the shards' dtype
+    specs: tuple[str, ...] = ()
+    shards: list[str] = field(default_factory=list)
+    shard_dtype: Any = None
 
     def resolve(self, nodes: dict[str, fx.Node], names: Sequence[str]) -> list[fx.Node]:
         """The nodes of ``names`` (``nodes``: ``name_map(graph)``), skipping removed ones."""

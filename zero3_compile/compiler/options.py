@@ -46,6 +46,10 @@ class Options:
         the next one is issued, so one is in flight at a time (compute still overlaps it): torch's
         gloo corrupts the heap with several in flight (``bench/repros/gloo_reduce_scatter_race.py``).
         True serializes every group's collectives, False none (gloo then is not safe).
+    cross_graph_prefetch: True issues the next compiled graph's first all-gather in this graph's
+        tail, as learnt from the previous step (``runtime/handoff.py``): what a model compiled
+        block by block (``block.compile``) needs to overlap its blocks' first gathers. Off by
+        default while it is new.
     sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
         compiled graph runs, before raising an error naming the missing ranks instead of
         hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
@@ -84,6 +88,7 @@ class Options:
     reshard_after_forward: bool = True
     fused_copies: bool = False
     serial_collectives: bool | str = "auto"
+    cross_graph_prefetch: bool = False
     sync_timeout_s: float | None = None
     verify: bool = True
     dump_dir: str | None = None
@@ -165,6 +170,8 @@ class Options:
                 "zero3: option serial_collectives must be 'auto', True or False, got "
                 f"{self.serial_collectives!r}"
             )
+        if not isinstance(self.cross_graph_prefetch, bool):
+            raise ValueError("zero3: option cross_graph_prefetch must be True or False")
         if not isinstance(self.verify, bool):
             raise ValueError(f"zero3: option verify must be True or False, got {self.verify!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):

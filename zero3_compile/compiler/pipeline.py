@@ -16,6 +16,7 @@ from .context import PassContext
 from .passes import (
     assign_buckets,
     dedupe_gathers,
+    handoff_gathers,
     hoist_shard_reads,
     insert_guard,
     lower_gathers,
@@ -39,6 +40,7 @@ FORWARD_PASSES: tuple[Pass, ...] = (
     lower_gathers,
     prefetch_gathers,
     prefetch_reloads,
+    handoff_gathers,
     serialize_collectives,
     insert_guard,
 )
@@ -48,6 +50,7 @@ BACKWARD_PASSES: tuple[Pass, ...] = (
     prefetch_gathers,
     prefetch_reloads,
     lower_reductions,
+    handoff_gathers,
     serialize_collectives,
     insert_guard,
 )

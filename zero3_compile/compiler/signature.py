@@ -33,8 +33,16 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
     other names on other rows); a foreign collective's group (tensor parallelism's) by the name
     of its mesh dimension.
     """
+    from ..collectives.ops import TAKE_GATHER
+
     signature = []
     for node in graph.nodes:
+        if node.op == "call_function" and node.target is TAKE_GATHER:
+            # a graph's first all-gather, maybe prefetched by the graph before (handoff.py)
+            out, world, group = node.meta["val"], _take_world(node), node.args[4]
+            name = node.meta.get(GROUP_ROLE) if roles else str(group)
+            signature.append(("all_gather", name, world, out.numel() // world, str(out.dtype)))
+            continue
         if node.op != "call_function" or node.target not in COLLECTIVES:
             continue
         tensor = node.args[0].meta["val"]
@@ -53,6 +61,12 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
             name = str(group)
         signature.append((kind, name, int(world), int(tensor.numel()), str(tensor.dtype)))
     return signature
+
+
+def _take_world(node: fx.Node) -> int:
+    from ..sharding.spec import ShardSpec
+
+    return ShardSpec.parse(node.args[1][0]).world_size
 
 
 def _group_size(group_name: str) -> int:
@@ -106,6 +120,8 @@ _CALL = re.compile(
     r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce|all_to_all_single)\.default\("
 )
 # Inductor re-inplaces all_reduce: a statement on the buffer it reduces, waited by that name
+# the cross-graph prefetch's take (a graph's first all-gather) and handoff (the next graph's)
+_OURS = re.compile(r"^\s*(\w+) = torch\.ops\.zero3\.(take_gather|handoff_gather)\.default\(")
 _IN_PLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.all_reduce_\.default\((\w+)")
 _KINDS = {
     "all_gather_into_tensor": "all_gather",
@@ -113,8 +129,11 @@ _KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
     "all_to_all_single": "all_to_all",
+    "take_gather": "all_gather",
+    "handoff_gather": "handoff",
 }
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
+_ALIAS = re.compile(r"^\s*(\w+) = (\w+)\s*$")  # an extern kernel's output renamed: buf2 = buf1
 _SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
 _GUARD = re.compile(r"torch\.ops\.zero3\.guard\.default\(")
 
@@ -127,11 +146,15 @@ def generated_events(source_code: str) -> list[tuple[str, int]]:
     buffers: dict[str, int] = {}
     issued = 0
     for line in body.splitlines():
-        call = _CALL.match(line) or _IN_PLACE.match(line)
+        call = _CALL.match(line) or _OURS.match(line) or _IN_PLACE.match(line)
         if call:
             buffers[call.group(1)] = issued
             events.append(("issue", issued))
             issued += 1
+            continue
+        alias = _ALIAS.match(line)
+        if alias and alias.group(2) in buffers:
+            buffers[alias.group(1)] = buffers[alias.group(2)]
             continue
         wait = _WAIT.search(line)
         if wait and wait.group(1) in buffers:
@@ -144,12 +167,12 @@ def generated_events(source_code: str) -> list[tuple[str, int]]:
 
 def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
     """What ``generated_events`` must find for ``graph``."""
-    from ..collectives.ops import GUARD
+    from ..collectives.ops import GUARD, HANDOFF_GATHER, TAKE_GATHER
 
     issued: dict[fx.Node, int] = {}
     events: list[tuple[str, int]] = []
     for node in graph.nodes:
-        if node.target in COLLECTIVES:
+        if node.target in COLLECTIVES or node.target in (TAKE_GATHER, HANDOFF_GATHER):
             issued[node] = len(issued)
             events.append(("issue", issued[node]))
         elif node.target is WAIT and node.args[0] in issued:
@@ -181,7 +204,7 @@ def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]
     order: list[tuple[str, int | None]] = []
     pending: dict[str, int] = {}
     for line in source_code.splitlines():
-        call = _CALL.match(line)
+        call = _CALL.match(line) or _OURS.match(line)
         if call:
             kind = _KINDS[call.group(2)]
             pending[call.group(1)] = len(order)
@@ -200,7 +223,11 @@ def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]
 
 def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
     """What ``generated_collective_order`` must find for ``graph``: kinds and output sizes."""
+    from ..collectives.ops import HANDOFF_GATHER, TAKE_GATHER
+
     kinds = {
+        TAKE_GATHER: "all_gather",
+        HANDOFF_GATHER: "handoff",
         ALL_GATHER: "all_gather",
         REDUCE_SCATTER: "reduce_scatter",
         ALL_REDUCE: "all_reduce",

@@ -5,11 +5,13 @@ Dynamo graph (before AOTAutograd): refuse_param_writes, hoist_shard_reads, dedup
 Joint graph (before partitioning):  dedupe_gathers, tag_recompute
 Forward / backward graphs:          assign_buckets, lower_gathers, prefetch_gathers,
                                     prefetch_reloads, lower_reductions (backward only),
+                                    handoff_gathers (with cross_graph_prefetch),
                                     serialize_collectives, insert_guard
 """
 
 from .bucketing import assign_buckets
 from .dedupe import dedupe_gathers
+from .handoff import handoff_gathers
 from .hoist_reads import hoist_shard_reads
 from .insert_guard import insert_guard
 from .lower_gathers import lower_gathers
@@ -24,6 +26,7 @@ __all__ = [
     "assign_buckets",
     "check_no_gathered_saved",
     "dedupe_gathers",
+    "handoff_gathers",
     "hoist_shard_reads",
     "insert_guard",
     "lower_gathers",

@@ -165,6 +165,9 @@ def _emit_bucket(
         scheme=type(scheme).__name__,
         groups=(shard_group_of(specs[0].group), specs[0].replicate_group),  # the mesh
         full_bytes=gather_bytes(specs, scheme.dtype) if scheme.compresses else None,
+        specs=tuple(s.literal() for s in specs),
+        shards=[c.shard.name for c in calls],
+        shard_dtype=calls[0].shard.meta["val"].dtype,
     )
     emit = GraphEmit(gm.graph, record, source=members[0])
     shards = [_reloaded(emit, c) if c.spec.offloaded else c.shard for c in calls]

@@ -7,6 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ...collectives.ops import HANDOFF_GATHER, TAKE_GATHER
 from ...compat import WAIT, backend_of
 from ..context import PassContext
 from ..graph_utils import move_before
@@ -82,13 +83,16 @@ def serialize_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 def is_collective(node: fx.Node) -> bool:
-    """A functional collective (not its wait)."""
+    """A functional collective (not its wait), or one of ours that issues one (the
+    cross-graph prefetch's take and handoff)."""
     target = node.target
-    return (
-        node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
-        and target.namespace == "_c10d_functional"
-        and target is not WAIT
+    return node.op == "call_function" and (
+        (
+            isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "_c10d_functional"
+            and target is not WAIT
+        )
+        or target in (TAKE_GATHER, HANDOFF_GATHER)
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ...collectives.ops import GUARD, REDUCE_GRAD, RELOAD, UNSHARD
+from ...collectives.ops import GUARD, HANDOFF_GATHER, REDUCE_GRAD, RELOAD, TAKE_GATHER, UNSHARD
 from ...compat import COLLECTIVES, WAIT
 from ..context import PassContext
 from ..graph_facts import param_derived
@@ -56,12 +56,15 @@ def verify(
                 raise ScheduleError(
                     f"zero3: wait {users[0].name} precedes its collective {node.name}"
                 )
+        elif node.target in (TAKE_GATHER, HANDOFF_GATHER):
+            collectives.append(node)  # issue (or take over) an all-gather: waited like one
         elif node.target is WAIT:
             source = node.args[0]
             if not (
                 isinstance(source, fx.Node)
                 and (
                     source.target in COLLECTIVES
+                    or source.target in (TAKE_GATHER, HANDOFF_GATHER)
                     or source.target is RELOAD
                     # a foreign collective issued by the other graph of the partition
                     or source.op == "placeholder"
