@@ -203,8 +203,12 @@ def test_per_block_graphs_hand_the_next_blocks_first_gather_over(codegen):
         assert discarded == 0, r["handoff"]
         if codegen == "inductor":
             assert all("zero3.take_gather" in c and "zero3.handoff_gather" in c for c in r["code"])
-    for r in results()[("gpt", "per_block", codegen)]:
-        assert r["handoff"] == (0, 0), r["handoff"]  # off by default
+    plain = results()[("gpt", "per_block", codegen)]
+    for r, p in zip(results()[("gpt", "per_block_handoff", codegen)], plain):
+        assert p["handoff"] == (0, 0), p["handoff"]  # off by default
+        assert r["losses"] == p["losses"]  # the same values gathered: bit-identical
+        for name, value in p["params"].items():
+            assert torch.equal(r["params"][name], value), name
 
 
 class TaggedBlock(nn.Module):

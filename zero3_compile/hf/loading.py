@@ -23,6 +23,7 @@ buffer still on ``meta`` at the end is an error naming it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -35,10 +36,12 @@ import torch.nn as nn
 
 from ..frontend.loading import adopt, loading, sharded_states
 from ..frontend.shard import shard
+from ..offload.params import deferred_writes
 from ..runtime.guard import DEFAULT_TIMEOUT_S
 from ..sharding.state import module_state
 from .agreement import Agreement
 from .generation import mark_sharded
+from .rows import RowSlice, header
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +193,9 @@ def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
         )
     load.agreement.meet("building the model")
     shard(model, **load.shard_kwargs)
-    load.loading.enter_context(loading(model))
+    states = load.loading.enter_context(loading(model))
     try:
-        with contextlib.ExitStack() as files:
+        with contextlib.ExitStack() as files, deferred_writes(states):
             if state_dict is None:
                 state_dict = _pread_slices(checkpoint_files, files)
             result = read(state_dict)
@@ -208,8 +211,8 @@ def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
 def _pread_slices(checkpoint_files, files: contextlib.ExitStack) -> dict | None:
     """The checkpoint's tensors as lazy slices read with ``pread`` rather than through ``mmap``:
     mapped pages would count in this rank's resident memory beside the shards made from them
-    (twice the shards at the peak); a read copies only this rank's rows. None: not safetensors
-    (Hugging Face's own reading then)."""
+    (twice the shards at the peak); a read copies only this rank's rows, in large chunks
+    (``rows.RowSlice``). None: not safetensors (Hugging Face's own reading then)."""
     if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
         return None
     from safetensors import safe_open
@@ -223,8 +226,12 @@ def _pread_slices(checkpoint_files, files: contextlib.ExitStack) -> dict | None:
         except Exception as error:
             raise OSError(f"zero3: cannot read the checkpoint file {path!r}: {error}") from error
         files.enter_context(handle)
+        entries, data_start = header(str(path))
+        fd = os.open(path, os.O_RDONLY)
+        files.callback(os.close, fd)
         for key in handle.keys():
-            merged[key] = handle.get_slice(key)
+            fallback = functools.partial(handle.get_slice, key)
+            merged[key] = RowSlice(fd, entries[key], data_start, fallback)
     return merged
 
 

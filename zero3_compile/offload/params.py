@@ -126,8 +126,66 @@ def register(state, store: DiskStore | HostStore, poison: bool) -> None:
     state.offload = record
     with _lock:
         _by_storage[storage_key(local)] = state
-    store.write_current(record.region, local.contiguous())
-    _evict(state)
+    pending = _deferred.get(id(store))
+    if pending is None:
+        store.write_current(record.region, local.contiguous())
+        _evict(state)
+        return
+    data = local.contiguous()
+    pending.append((store.write_current_async(record.region, data), state, data))
+    _settle(pending, keep=1)
+
+
+# Shards registered inside ``deferred_writes``: their first write still in flight (store id ->
+# [(future, state, the tensor written)]); evicted once written.
+_deferred: dict[int, list] = {}
+
+
+@contextlib.contextmanager
+def deferred_writes(states: Iterable) -> Iterator[None]:
+    """Inside: a shard registered into a disk store (``register_loaded``) is written on the
+    store's I/O threads while the caller goes on (a loader reads and casts the next tensor), one
+    write in flight at a time; each is evicted once written. At the end every write is waited
+    for and evicted, and the first failure is raised. Nothing may read the registered shards
+    before the block ends."""
+    states = list(states)
+    roots = {id(s.root): s.root for s in states}.values()
+    stores = [getattr(r, "offload_store", None) for r in roots]
+    stores = [s for s in stores if isinstance(s, DiskStore) and id(s) not in _deferred]
+    for store in stores:  # every region the load will allocate, at once
+        store.reserve(
+            [
+                _data(s).numel() * _data(s).element_size()
+                for s in states
+                if s.offload is None and getattr(s.root, "offload_store", None) is store
+            ]
+        )
+    lists = [_deferred.setdefault(id(s), []) for s in stores]
+    try:
+        yield
+    except BaseException:
+        for pending in lists:
+            _settle(pending, keep=0, raising=False)
+        raise
+    finally:
+        for store in stores:
+            _deferred.pop(id(store), None)
+    for pending in lists:
+        _settle(pending, keep=0)
+
+
+def _settle(pending: list, keep: int, raising: bool = True) -> None:
+    """Wait for all but the newest ``keep`` writes of ``pending``; evict what they wrote."""
+    failure = None
+    while len(pending) > keep:
+        future, state, _ = pending.pop(0)
+        try:
+            future.result()
+        except BaseException as error:  # noqa: BLE001  - raised below, once all are waited
+            failure = failure or error
+        _evict(state)
+    if failure is not None and raising:
+        raise failure
 
 
 def _data(state) -> torch.Tensor:

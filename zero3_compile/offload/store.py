@@ -140,6 +140,7 @@ class DiskStore:
             os.rmdir(self.folder)
             self.folder = os.path.dirname(self.folder)  # where the space comes from
         self.size = 0
+        self.reserved = 0  # bytes preallocated by ``reserve`` (from 0)
         self.slots = 2 if double_buffer else 1
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="zero3-io")
@@ -171,6 +172,8 @@ class DiskStore:
         with self.lock:
             first = self.size
             self.size += slots * slot
+            if self.size <= self.reserved:  # inside what ``reserve`` preallocated
+                return Region((first, first + slot * (slots - 1)), nbytes)
             try:
                 os.posix_fallocate(self.fd, first, slots * slot)
             except OSError as error:
@@ -181,6 +184,25 @@ class DiskStore:
                     f"({error.strerror}); {_free_space(self.folder)}",
                 ) from error
         return Region((first, first + slot * (slots - 1)), nbytes)
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Preallocate, with one ``posix_fallocate``, the regions that ``allocate`` will be asked
+        for next (``sizes``: their ``nbytes``, default slots): a loader allocating tensor by
+        tensor while the I/O threads write would otherwise wait for each write to release the
+        file (ext4 serialises fallocate and writes on the inode)."""
+        total = sum(self.slots * _aligned(max(n, 1)) for n in sizes)
+        with self.lock:
+            if total == 0 or self.reserved > self.size:
+                return
+            try:
+                os.posix_fallocate(self.fd, self.size, total)
+            except OSError as error:
+                raise OffloadError(
+                    error.errno,
+                    f"zero3: cannot reserve {total} bytes in {self.path!r} ({error.strerror}); "
+                    f"{_free_space(self.folder)}",
+                ) from error
+            self.reserved = self.size + total
 
     # ------------------------------------------------------------------ I/O
 
@@ -193,6 +215,11 @@ class DiskStore:
     def write_current(self, region: Region, tensor: torch.Tensor) -> None:
         """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
         self._transfer(tensor, region.read_offset, region.nbytes, write=True)
+
+    def write_current_async(self, region: Region, tensor: torch.Tensor) -> Future:
+        """``write_current`` on the I/O threads (``tensor`` must stay alive and unchanged until
+        the future is done)."""
+        return self.pool.submit(self._transfer, tensor, region.read_offset, region.nbytes, True)
 
     def read(self, region: Region, out: torch.Tensor) -> None:
         self._transfer(out, region.read_offset, region.nbytes, write=False)
