@@ -81,6 +81,10 @@ def parse_args(argv=None):
         "--single-copy", action="store_true",
         help="one copy of the offloaded state on disk (double_buffer=False): half the disk",
     )  # fmt: skip
+    parser.add_argument(
+        "--o-direct", action="store_true",
+        help="offload stores opened with O_DIRECT (Offload(o_direct=True), offload_optimizer's)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--layers", type=int, default=0, help="probe: the model's width at this depth"
@@ -284,7 +288,11 @@ def _offload(z3, cfg: dict, scratch: str):
         return None
     grads = "disk" if cfg["grads"] == "disk" else None
     return z3.Offload(
-        params="disk", grads=grads, path=scratch, double_buffer=not cfg["single_copy"]
+        params="disk",
+        grads=grads,
+        path=scratch,
+        double_buffer=not cfg["single_copy"],
+        o_direct=cfg.get("o_direct", False),
     )
 
 
@@ -318,6 +326,7 @@ def run_zero3(rank, world, cfg: dict):
             path=scratch,
             double_buffer=not cfg["single_copy"],
             tile_mb=cfg.get("tile_mb", 64.0),
+            o_direct=cfg.get("o_direct", False),
         )
     phases.opt = opt
     step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
@@ -365,6 +374,7 @@ def run_resume(rank, world, cfg: dict):
             path=scratch,
             double_buffer=not cfg["single_copy"],
             tile_mb=cfg.get("tile_mb", 64.0),
+            o_direct=cfg.get("o_direct", False),
         )
     phases.model, phases.opt = model, opt
     path = os.path.join(cfg["scratch"], "checkpoint")
@@ -536,7 +546,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk), codegen {args.codegen}, bf16 {args.bf16}; torch "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -617,7 +627,7 @@ def main(argv=None) -> None:
     checkpoint = write_checkpoint(os.path.join(args.cache, name), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
-                single_copy=args.single_copy,
+                single_copy=args.single_copy, o_direct=args.o_direct,
                 tile_mb=args.tile_mb,
                 seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
