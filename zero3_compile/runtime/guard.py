@@ -47,6 +47,12 @@ KIND_BACKWARD = 2
 KIND_INFERENCE = 3
 KIND_EAGER_GATHER = 4
 KIND_EAGER_REDUCE = 5
+# the kind of each scheduled graph (``PassContext.graph_kind``)
+GRAPH_KINDS = {
+    "forward": KIND_FORWARD,
+    "backward": KIND_BACKWARD,
+    "inference": KIND_INFERENCE,
+}
 KIND_NAMES = {
     KIND_FORWARD: "forward graph",
     KIND_BACKWARD: "backward graph",

@@ -22,11 +22,7 @@ from ..node_keys import (
     ROLE_RELOAD,
 )
 
-_KINDS = {
-    "forward": guard.KIND_FORWARD,
-    "backward": guard.KIND_BACKWARD,
-    "inference": guard.KIND_INFERENCE,
-}
+_KINDS = guard.GRAPH_KINDS
 
 
 def handoff_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:

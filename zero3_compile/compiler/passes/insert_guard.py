@@ -12,11 +12,7 @@ from ..graph_utils import NodeFactory
 from ..node_keys import ROLE, ROLE_GUARD
 from ..signature import collective_signature, describe_signature, signature_code
 
-_KINDS = {
-    "forward": guard.KIND_FORWARD,
-    "backward": guard.KIND_BACKWARD,
-    "inference": guard.KIND_INFERENCE,
-}
+_KINDS = guard.GRAPH_KINDS
 
 
 def insert_guard(gm: fx.GraphModule, ctx: PassContext) -> None:
