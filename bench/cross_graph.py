@@ -6,7 +6,7 @@ For each depth: three copies of the same GPT (``--model``, default ``gpt-w128`` 
 blocks), sharded over 2 gloo ranks, eager codegen: ``torch.compile(model, backend="zero3")``
 (whole), ``block.compile(backend="zero3")`` for every block (per block, the rest eager), and per
 block with ``cross_graph_prefetch`` (each block's first all-gather issued in the previous block's
-tail, ``runtime/handoff.py``). The three train in turn, one step each, so they see the same
+tail, ``collectives/handoff.py``). The three train in turn, one step each, so they see the same
 machine; the table gives the median step over ``--steps`` after 3 warm-up steps, the ratio to
 the whole model, the prefetches taken over, and each setup's cross-rank checks per step (one
 per graph run and per eager collective) with their time.
@@ -56,8 +56,8 @@ def _job(rank: int, world: int, preset_name: str, depth: int, steps: int) -> dic
 
 
 def _measure(preset_name: str, depth: int, steps: int) -> dict:
+    from zero3_compile.collectives.handoff import HANDOFF
     from zero3_compile.runtime import guard, root
-    from zero3_compile.runtime.handoff import HANDOFF
 
     preset = PRESETS[preset_name]
     preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config, n_layer=depth))

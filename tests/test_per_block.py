@@ -69,7 +69,7 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
-    from zero3_compile.runtime.handoff import HANDOFF
+    from zero3_compile.collectives.handoff import HANDOFF
 
     counters.clear()
     HANDOFF.reset()

@@ -217,8 +217,8 @@ def take_gather(
 ) -> torch.Tensor:
     """A graph's first gather bucket: its all-gather's output (to be waited), issued now, or the
     one the previous graph's ``handoff_gather`` issued for exactly these shards
-    (``runtime/handoff.py``). ``group`` names the all-gather's process group."""
-    from ..runtime.handoff import HANDOFF
+    (``collectives/handoff.py``). ``group`` names the all-gather's process group."""
+    from .handoff import HANDOFF
 
     return HANDOFF.take(shards, specs, shard_dtype, kind)
 
@@ -235,10 +235,10 @@ def _take_gather_fake(shards, specs, shard_dtype, kind, group):
     "zero3::handoff_gather", mutates_args=(), schema="(Tensor after, int kind, str group) -> Tensor"
 )
 def handoff_gather(after: torch.Tensor, kind: int, group: str) -> torch.Tensor:
-    """Issue the next graph's first all-gather, as learnt (``runtime/handoff.py``); returns an
+    """Issue the next graph's first all-gather, as learnt (``collectives/handoff.py``); returns an
     empty tensor whose ``wait_tensor`` waits it. ``after``: the last gathered value this graph
     needed (orders the issue after it)."""
-    from ..runtime.handoff import HANDOFF
+    from .handoff import HANDOFF
 
     return HANDOFF.handoff(kind, after)
 

@@ -47,7 +47,7 @@ class Options:
         gloo corrupts the heap with several in flight (``bench/repros/gloo_reduce_scatter_race.py``).
         True serializes every group's collectives, False none (gloo then is not safe).
     cross_graph_prefetch: True issues the next compiled graph's first all-gather in this graph's
-        tail, as learnt from the previous step (``runtime/handoff.py``): what a model compiled
+        tail, as learnt from the previous step (``collectives/handoff.py``): what a model compiled
         block by block (``block.compile``) needs to overlap its blocks' first gathers. Off by
         default while it is new.
     sync_timeout_s: how long a rank waits for the others at the cross-rank check before each

@@ -1,4 +1,4 @@
-"""Hand each graph's first all-gather over to the graph before it (``runtime/handoff.py``)."""
+"""Hand each graph's first all-gather over to the graph before it (``collectives/handoff.py``)."""
 
 from __future__ import annotations
 

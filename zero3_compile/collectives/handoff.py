@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compat import WAIT, storage_key
+from ..compat import WAIT, register_wait, storage_key
 from ..sharding.spec import ShardSpec
+from .schemes import EAGER, gather_scheme
 
 
 @dataclass
@@ -66,8 +67,6 @@ def _key(shards, specs, dtype) -> tuple:
 
 def _issue(shards, specs, dtype) -> torch.Tensor:
     """The bucket's copy-in and all-gather, now (``schemes.AllGather``, eagerly)."""
-    from ..collectives.schemes import EAGER, gather_scheme
-
     parsed = [ShardSpec.parse(s) for s in specs]
     scheme = gather_scheme(parsed[0], dtype)
     with torch.no_grad():
@@ -113,8 +112,6 @@ class Handoff:
 
     def handoff(self, kind: int, like: torch.Tensor) -> torch.Tensor:
         """Issue the predicted next take of this kind; returns a tensor whose wait waits it."""
-        from ..compat import register_wait
-
         with self.lock:
             site = self.current.get(kind)
             nxt = None
