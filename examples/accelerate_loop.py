@@ -73,7 +73,12 @@ def main() -> None:
                 break
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
-    print(f"rank {accelerator.process_index}: {local} of {total} parameters held")
+    # one write of a whole line: the ranks share the launcher's stdout
+    print(
+        f"rank {accelerator.process_index}: {local} of {total} parameters held\n",
+        end="",
+        flush=True,
+    )
     accelerator.end_training()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -632,7 +633,10 @@ def _launch(command: list[str], cwd: str) -> list[str]:
         os.path.abspath(__file__)))}  # fmt: skip
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [line for line in done.stdout.splitlines() if line.startswith(("step", "rank"))]
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step")]
+    # the ranks' reports, even where two processes' writes to the shared stdout interleaved
+    held = re.findall(r"rank \d+: \d+ of \d+ parameters held", done.stdout)
+    return steps + held
 
 
 def test_accelerate_launch_trains_like_torchrun():
