@@ -51,8 +51,7 @@ class _Site:
 class _Pending:
     key: tuple
     out: torch.Tensor  # the all-gather's output (waited by the handoff's wait)
-    sources: tuple[torch.Tensor, ...]  # the shards it copied in, for their versions
-    versions: tuple[int, ...]
+    versions: tuple[int, ...]  # of the shards it copied in
 
 
 def _key(shards, specs, dtype) -> tuple:
@@ -123,7 +122,7 @@ class Handoff:
             return marker
         shards = nxt.shards
         out = _issue(shards, nxt.specs, nxt.dtype)
-        self.pending = _Pending(nxt.key, out, tuple(shards), tuple(s._version for s in shards))
+        self.pending = _Pending(nxt.key, out, tuple(s._version for s in shards))
         register_wait(marker, lambda: WAIT(out))
         return marker
 

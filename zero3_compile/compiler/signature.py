@@ -20,6 +20,7 @@ from ..compat import (
     WAIT,
 )
 from ..sharding.layout import foreign_group_role
+from ..sharding.spec import ShardSpec
 from .node_keys import GROUP_ROLE, PARAMS
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def collective_signature(graph: fx.Graph, *, roles: bool = False) -> list[tuple]
 
 
 def _take_world(node: fx.Node) -> int:
-    from ..sharding.spec import ShardSpec
-
     return ShardSpec.parse(node.args[1][0]).world_size
 
 

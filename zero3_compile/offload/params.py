@@ -146,8 +146,8 @@ def deferred_writes(states: Iterable) -> Iterator[None]:
     """Inside: a shard registered into a disk store (``register_loaded``) is written on the
     store's I/O threads while the caller goes on (a loader reads and casts the next tensor), one
     write in flight at a time; each is evicted once written. At the end every write is waited
-    for and evicted, and the first failure is raised. Nothing may read the registered shards
-    before the block ends."""
+    for and evicted, and the first failure is raised. A shard stays resident (and readable)
+    until its write has landed; nothing may change its values before the block ends."""
     states = list(states)
     roots = {id(s.root): s.root for s in states}.values()
     stores = [getattr(r, "offload_store", None) for r in roots]
