@@ -191,6 +191,13 @@ def main() -> None:
         help="runs of the uncompressed setting with seeds 1.. (initialisation and batches) "
         "beside seed 0: the spread of the held-out loss the settings' differences compare to",
     )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="run every setting from every seed (not only the uncompressed one) and report each "
+        "setting's held-out loss against the uncompressed run of the same seed",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the results file's name")
     args = parser.parse_args()
     recipe = {"lr": args.lr, "schedule": args.schedule, "eval_batches": args.eval_batches}
     per_node = args.ranks_per_node
@@ -230,20 +237,26 @@ def main() -> None:
             runs[setting] = per_rank[0]
             print(f"{model_name} {setting}: eval {per_rank[0]['eval_loss']:.4f}", flush=True)
         for seed in range(1, args.seeds):
-            per_rank = run_ranks(
-                _job,
-                args.world,
-                (model_name, "none", args.steps, recipe, per_node, seed),
-                log_dir=log_dir,
-                name=f"{model_name}-none-seed{seed}",
-                timeout_s=3600,
-            )
-            runs[f"none, seed {seed}"] = per_rank[0]
+            for setting in settings if args.paired else ["none"]:
+                per_rank = run_ranks(
+                    _job,
+                    args.world,
+                    (model_name, setting, args.steps, recipe, per_node, seed),
+                    log_dir=log_dir,
+                    name=f"{model_name}-{setting}-seed{seed}",
+                    timeout_s=3600,
+                )
+                runs[f"{setting}, seed {seed}"] = per_rank[0]
+                print(
+                    f"{model_name} {setting} seed {seed}: eval {per_rank[0]['eval_loss']:.4f}",
+                    flush=True,
+                )
         results["models"][model_name] = {"compute_s": compute, "runs": runs}
     _print(results)
     folder = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(folder, exist_ok=True)
     suffix = f"-{per_node}per-node" if per_node > 1 else ""
+    suffix += f"-{args.tag}" if args.tag else ""
     path = os.path.join(folder, f"compression-{args.world}{suffix}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
@@ -287,6 +300,38 @@ def _print(results: dict) -> None:
                 f"{inter / 2**20:.3f} | {intra / 2**20:.3f} | "
                 f"{run['step_s'] * 1e3:.1f} ms | {cells[0]} | {cells[1]} |"
             )
+    _print_paired(results)
+
+
+def _print_paired(results: dict) -> None:
+    """Each setting's held-out loss against the uncompressed run of the same seed (``--paired``):
+    the difference compression makes, apart from what the seed makes."""
+    rows = []
+    for model_name, entry in results["models"].items():
+        runs = entry["runs"]
+        seeds = sorted({0} | {int(k.rsplit(" ", 1)[1]) for k in runs if ", seed " in k})
+        for setting in [k for k in runs if ", seed " not in k and k != "none"]:
+            diffs = []
+            for seed in seeds:
+                key = setting if seed == 0 else f"{setting}, seed {seed}"
+                base = "none" if seed == 0 else f"none, seed {seed}"
+                if key in runs and base in runs:
+                    diffs.append((runs[key]["eval_loss"] / runs[base]["eval_loss"] - 1) * 100)
+            if len(diffs) > 1:
+                rows.append((model_name, setting, diffs))
+    if not rows:
+        return
+    print(
+        "\nheld-out loss against the uncompressed run of the same seed\n\n"
+        "| model | setting | per seed | mean | largest |\n|---|---|---|---:|---:|"
+    )
+    for model_name, setting, diffs in rows:
+        cells = ", ".join(f"{d:+.2f}%" for d in diffs)
+        largest = max(diffs, key=abs)
+        print(
+            f"| {model_name} | {setting} | {cells} | {statistics.fmean(diffs):+.2f}% | "
+            f"{largest:+.2f}% |"
+        )
 
 
 if __name__ == "__main__":
