@@ -440,6 +440,11 @@ LOSS_BAND = {"qwz": 0.005, "qgz8": 0.005, "qgz4": 0.03, "both": 0.005}
 # the tiny Llama (random weights of scale 0.3, AdamW at lr 1e-2: the loss falls from 5.9 to 2.1
 # in 4 steps) amplifies int8 weight noise more: measured 1.9% after 4 steps (qgz4 1.3%)
 LLAMA_LOSS_BAND = {"qwz": 0.03, "qgz8": 0.005, "qgz4": 0.03}
+# hybrid sharding quantizes each gradient twice (within the row, then the replicas' sums): int4
+# measured 1.2% / 2.6% at steps 2 / 3 on one machine, 1.1% / 3.5% on another whose float kernels
+# differ in the last bits (the stochastic rounding's draws hash the values' bits, so a 1e-7
+# difference redraws every element); int8 0.1%
+HYBRID_LOSS_BAND = {"qgz8": 0.005, "qgz4": 0.06}
 GRAD_BAND = {"qwz": 0.1, "qgz8": 0.05, "qgz4": 0.5, "both": 0.1}
 
 
@@ -527,7 +532,7 @@ def test_hybrid_sharding_reduces_quantized_within_a_row_then_across_replicas(nam
     for ours, base in zip(out, plain):
         assert base["losses"] == pytest.approx(base["ref_losses"], rel=1e-5)
         for loss, want in zip(ours["losses"], base["losses"]):
-            assert abs(loss - want) <= LLAMA_LOSS_BAND[name] * want, (ours, base)
+            assert abs(loss - want) <= HYBRID_LOSS_BAND[name] * want, (ours, base)
         assert ours["losses"] != base["losses"]
         wire, full = ours["backward"]["reduce_scatter"]
         assert full == base["backward"]["reduce_scatter"][0]
