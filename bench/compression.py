@@ -58,6 +58,13 @@ SETTINGS = {
         "secondary_shard": "node",
         "gradient_quantization": "int4",
     },
+    # smaller blocks: a scale per 64 elements instead of 256 (int4: 4.5 bits per element, not 4.1)
+    "qgZ int8 block 64": {"gradient_quantization": "int8", "quantization_block": 64},
+    "qgZ int4 block 64": {"gradient_quantization": "int4", "quantization_block": 64},
+    # the control: uncompressed, every initial weight moved by one ulp (toward +inf); how far a
+    # change of the last bit alone moves the held-out loss is the floor any lossy setting's
+    # single-run difference has to be read against
+    "1-ulp init": {"_one_ulp": True},
 }
 NODE_ROLE = "node"  # explain's group role of hpZ's node groups
 INTRA_GBPS = 1600
@@ -103,8 +110,13 @@ def train(
     split = data.numel() * 9 // 10
     train_data, eval_data = data[:split], data[split:]
     preset = PRESETS[MODELS[model_name]]
-    model = z3.shard(build_model(preset, seed=seed, device="cpu"))
     options = {"codegen": "eager", **SETTINGS[setting]}
+    unsharded = build_model(preset, seed=seed, device="cpu")
+    if options.pop("_one_ulp", False):
+        with torch.no_grad():
+            for p in unsharded.parameters():
+                p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+    model = z3.shard(unsharded)
     step_model = torch.compile(model, backend="zero3", options=options)
     gen = torch.Generator().manual_seed(seed)
     report = None
@@ -207,6 +219,11 @@ def main() -> None:
     settings = args.settings.split(",") if args.settings else [
         s for s in SETTINGS if hpz or "secondary_shard" not in SETTINGS[s]
     ]  # fmt: skip
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        parser.error(
+            f"unknown settings {unknown}; --settings is a comma-separated list of {list(SETTINGS)}"
+        )
     log_dir = os.path.join(os.path.dirname(__file__), "out", "compression")
     results: dict = {
         "world": args.world,
