@@ -61,6 +61,7 @@ SETTINGS = {
     # smaller blocks: a scale per 64 elements instead of 256 (int4: 4.5 bits per element, not 4.1)
     "qgZ int8 block 64": {"gradient_quantization": "int8", "quantization_block": 64},
     "qgZ int4 block 64": {"gradient_quantization": "int4", "quantization_block": 64},
+    "qgZ int4 block 32": {"gradient_quantization": "int4", "quantization_block": 32},
     # the control: uncompressed, every initial weight moved by one ulp (toward +inf); how far a
     # change of the last bit alone moves the held-out loss is the floor any lossy setting's
     # single-run difference has to be read against
