@@ -10,6 +10,7 @@ import multiprocessing.forkserver
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -41,6 +42,9 @@ def _worker(fn, rank: int, world_size: int, port: int, results, args, env) -> No
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:  # imported by the fork server, from the server's environment
+        config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     status, payload = "ok", None
     # a rank killed by a signal (an abort on heap corruption, a segfault) prints every thread's
     # Python stack to stderr, which pytest shows with the failure
