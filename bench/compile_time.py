@@ -32,6 +32,7 @@ CONTENDERS = ("zero3", "ddp-compiled", "fsdp2-compiled")
 # --depth: the whole model and each block compiled, against plain compile and FSDP2's per block
 DEPTH_CONTENDERS = (
     "zero3",
+    "zero3-regions",
     "zero3-per-block",
     "zero3-eager-codegen",
     "single-compiled",
@@ -83,7 +84,7 @@ def measure(
         "step_s": cold["step_s"]["max_median"] if cold.get("status") == "ok" else None,
         "status": (cold.get("status"), warm.get("status")),
     }
-    if contender == "zero3" and cold.get("status") == "ok":
+    if contender.startswith("zero3") and cold.get("status") == "ok":
         row["breakdown"] = cold["ranks"][0].get("zero3_compile_s", {})
         if warm.get("status") == "ok":
             row["warm_breakdown"] = warm["ranks"][0].get("zero3_compile_s", {})

@@ -181,13 +181,19 @@ def setup_fsdp2(model: nn.Module, ctx: Context, compiled: bool = False) -> Train
 
 
 def setup_zero3(
-    model: nn.Module, ctx: Context, codegen: str = "inductor", per_block: bool = False
+    model: nn.Module,
+    ctx: Context,
+    codegen: str = "inductor",
+    per_block: bool = False,
+    regions: bool = False,
 ) -> Trainer:
     import zero3_compile as z3
 
     z3.shard(model)
     optimizer = ctx.optim.adamw(model.parameters())
     options = {"codegen": codegen, **ctx.zero3_options}
+    if regions:  # the whole model, each kind of block compiled once (nested compile regions)
+        z3.compile_once(transformer_blocks(model))
     if not per_block:
         step_module = torch.compile(model, backend="zero3", options=options)
         return Trainer(step_module, model, optimizer)
@@ -271,6 +277,13 @@ CONTENDERS: dict[str, Contender] = {
             "zero3-eager-codegen",
             "this project, scheduled FX graphs run as they are",
             _partial(setup_zero3, codegen="eager"),
+            comm_source="graphs",
+            compiled=True,
+        ),
+        Contender(
+            "zero3-regions",
+            "this project, whole model with z3.compile_once(blocks): one compiled body per kind",
+            _partial(setup_zero3, regions=True),
             comm_source="graphs",
             compiled=True,
         ),

@@ -65,8 +65,10 @@ def analyze(records: list[GraphRecord]) -> dict:
     return out
 
 
+# a kernel, or a call of a nested compile region's compiled body (``bufN = partitioned_..(``)
 _KERNEL = re.compile(
-    r"^\s*(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+)"
+    r"^\s*(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.aten\.\w+"
+    r"|\w+ = partitioned_\w+_subgraph_\w+\()"
 )
 _ALL_GATHER_CALL = re.compile(
     r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\("

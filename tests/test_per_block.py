@@ -22,7 +22,7 @@ import zero3_compile as z3
 from zero3_compile.compiler.recording import record_graphs
 
 from .dist_utils import run_scenarios
-from .graph_checks import inductor_gather_report
+from .graph_checks import analyze, inductor_gather_report
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
 from .training import PER_RANK_BATCH, rel_diff
 
@@ -63,9 +63,10 @@ def build(kind: str):
 
 
 def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
-    """STEPS SGD steps of the sharded model compiled ``how`` ("whole", "per_block", or
-    "per_block_handoff": with ``cross_graph_prefetch``) on each rank's slice, and of the
-    unsharded twin on the whole batch."""
+    """STEPS SGD steps of the sharded model compiled ``how`` ("whole", "regions": whole with
+    ``z3.compile_once(blocks)``, "per_block", or "per_block_handoff": with
+    ``cross_graph_prefetch``) on each rank's slice, and of the unsharded twin on the whole
+    batch."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -78,7 +79,9 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
     reference = copy.deepcopy(model)
     z3.shard(model)
     options = {"codegen": codegen, "cross_graph_prefetch": how == "per_block_handoff"}
-    if how == "whole":
+    if how in ("whole", "regions"):
+        if how == "regions":
+            z3.compile_once(blocks_of(model))
         step_model = torch.compile(model, backend="zero3", options=options)
     else:
         for block in blocks_of(model):
@@ -111,6 +114,7 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
         "unique_graphs": counters["stats"]["unique_graphs"],
         "compiled_calls": calls[0],
         "graphs": [r.kind for r in records],
+        "regions": [_region_calls(r.gm) for r in records],
         "handoff": (HANDOFF.taken, HANDOFF.discarded),
         "code": [r.source_code for r in records if r.source_code is not None],
         "overlapped": [
@@ -120,6 +124,16 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
             for g in inductor_gather_report(r.source_code)
         ],
     }
+
+
+def _region_calls(gm) -> dict[str, int]:
+    """Calls of nested compile regions in a scheduled graph, by the body they call."""
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.target is getattr(torch.ops.higher_order, "invoke_subgraph", None):
+            body = str(node.args[0].target)
+            calls[body] = calls.get(body, 0) + 1
+    return calls
 
 
 def _count_compiled_calls() -> list[int]:
@@ -141,7 +155,7 @@ def _count_compiled_calls() -> list[int]:
 CASES = [
     (kind, how, codegen)
     for kind in ("gpt", "llama")
-    for how in ("whole", "per_block", "per_block_handoff")
+    for how in ("whole", "regions", "per_block", "per_block_handoff")
     for codegen in ("eager", "inductor")
     if (kind, how, codegen)
     not in (("llama", "whole", "inductor"), ("llama", "per_block_handoff", "inductor"))
@@ -173,18 +187,26 @@ def test_each_distinct_block_compiles_once(case):
     """One dynamo graph, one forward and one backward graph compiled: the whole model's, or the
     block's that every block runs (a recompile per block would count DEPTH graphs, or 8 and then
     leave the blocks past dynamo's limit uncompiled)."""
-    per_step = 1 if case[1] == "whole" else DEPTH
+    per_step = DEPTH if case[1].startswith("per_block") else 1
     for r in results()[case]:
         assert r["unique_graphs"] == 1, r["unique_graphs"]
         assert sorted(r["graphs"]) == ["backward", "forward"], r["graphs"]
         assert r["compiled_calls"] == STEPS * per_step, r["compiled_calls"]
+        if case[1] == "regions":
+            # every block runs the one body of its kind, compiled once, forward and backward
+            assert [list(calls.values()) for calls in r["regions"]] == [[DEPTH], [DEPTH]], r[
+                "regions"
+            ]
+        else:
+            assert r["regions"] == [{}, {}], r["regions"]
 
 
-def test_whole_model_gathers_overlap_compute_across_block_boundaries():
+@pytest.mark.parametrize("how", ["whole", "regions"])
+def test_whole_model_gathers_overlap_compute_across_block_boundaries(how):
     """Inductor's code at DEPTH blocks: every all-gather of the forward and backward graphs but
     each graph's first runs while compute does (the next block's gathers are issued during the
-    previous block's compute)."""
-    for r in results()[("gpt", "whole", "inductor")]:
+    previous block's compute), with the blocks inlined or called as one compiled region."""
+    for r in results()[("gpt", how, "inductor")]:
         overlapped = r["overlapped"]
         assert len(overlapped) >= 2 * DEPTH, overlapped
         assert sum(overlapped) >= len(overlapped) - 2, overlapped
@@ -232,3 +254,78 @@ def test_blocks_that_must_recompile_get_our_warning_naming_the_fix(fake_pg, capl
     assert "recompile_limit" in warning and "TORCH_LOGS=recompiles" in warning
     assert "torch.compile(model, backend='zero3')" in warning
     assert "test_per_block.py" in warning  # where the frame is
+
+
+# ------------------------------------------------------------------ nested compile regions
+
+
+def _regions_step(depth: int = 3) -> list:
+    """One step of a GPT of ``depth`` blocks compiled whole with ``z3.compile_once`` (fake
+    process group, eager codegen): the recorded graphs."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=depth))
+    z3.shard(model)
+    z3.compile_once(model.transformer.h)
+    compiled = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+    with record_graphs() as records:
+        gpt_loss(compiled, gpt_batch(2)).backward()
+    return records
+
+
+def test_region_blocks_are_gathered_again_in_backward_not_saved(fake_pg):
+    """A region body's own partition returns its parameters (and ``t(w)``) for its backward;
+    ``recompute_region_saves`` computes them again in the model's graph from the gathered
+    operands, so the forward saves shards and activations only and backward gathers every
+    block's parameters again (as for inlined blocks)."""
+    from zero3_compile.compiler.graph_facts import region_calls
+
+    records = _regions_step()
+    facts = analyze(records)
+    for kind in ("forward", "backward"):
+        (record,) = [r for r in records if r.kind == kind]
+        assert len(region_calls(record.gm.graph)) == 3, kind
+    for i in range(3):
+        for name in (f"transformer.h.{i}.attn.c_attn.weight", f"transformer.h.{i}.ln_2.bias"):
+            assert name in facts["forward"]["gathered_params"], name
+            assert name in facts["backward"]["gathered_params"], name
+            assert name in facts["backward"]["reduced_params"], name
+    assert facts["forward"]["saved_gathered"] == []
+
+
+def test_without_recomputing_region_saves_the_partition_check_refuses(fake_pg, monkeypatch):
+    """The check that runs after every partition sees through region calls: left to the
+    body's own partition, the gathered parameters saved for backward are refused by name."""
+    from zero3_compile.compiler import pipeline
+    from zero3_compile.compiler.passes.regions import recompute_region_saves
+    from zero3_compile.compiler.passes.verify import ScheduleError
+
+    joint = tuple(p for p in pipeline.JOINT_PASSES if p is not recompute_region_saves)
+    assert len(joint) == len(pipeline.JOINT_PASSES) - 1
+    monkeypatch.setitem(pipeline._PASSES_BY_KIND, "joint", joint)
+    with pytest.raises(Exception) as failure:
+        _regions_step()
+    error = failure.value
+    while error is not None and not isinstance(error, ScheduleError):
+        error = error.__cause__ or error.__context__
+    assert isinstance(error, ScheduleError), failure.value
+    assert "saved gathered parameters" in str(error)
+
+
+def test_compile_once_refuses_modules_that_are_not_sharded_and_is_idempotent(fake_pg):
+    model = GPT(GPTConfig(n_layer=2))
+    with pytest.raises(ValueError, match=r"zero3_compile.shard\(model\) first"):
+        z3.compile_once(model.transformer.h)
+    with pytest.raises(TypeError, match="takes modules"):
+        z3.compile_once([1])
+    z3.shard(model)
+    blocks = model.transformer.h
+    z3.compile_once(blocks)
+    forward = type(blocks[0]).forward
+    z3.compile_once(blocks[1])
+    assert type(blocks[1]).forward is forward  # marked once
+    # only the generated class is marked: the user's class and unsharded models are unchanged
+    from .models import Block
+
+    assert not hasattr(Block.forward, "__marked_compile_region_fn__")
+    assert hasattr(forward, "__marked_compile_region_fn__")

@@ -20,6 +20,7 @@ from .frontend.gathered import gathered
 from .frontend.leaves import set_leaf_modules
 from .frontend.mixed_precision import MixedPrecision
 from .frontend.module import Zero3Module
+from .frontend.regions import compile_once
 from .frontend.shard import shard
 from .io.checkpoint import (
     CheckpointCorruptError,
@@ -47,6 +48,7 @@ __all__ = [
     "Options",
     "PeerLostError",
     "Zero3Module",
+    "compile_once",
     "estimate_memory",
     "explain",
     "full_state_dict",

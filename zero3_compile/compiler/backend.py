@@ -41,6 +41,7 @@ from ..compat import (
     min_cut_partition,
     order_saved_values,
     partitioner_base,
+    region_schemas_cached,
     register_dynamo_backend,
 )
 from ..runtime.gate import GatedCall
@@ -49,11 +50,11 @@ from ..sharding.nodes import node_group, ranks_per_node
 from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
-from .graph_facts import output_dependencies
+from .graph_facts import output_dependencies, region_calls
 from .graph_utils import copy_graph_module, output_node, save_waited
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
-from .passes import check_no_gathered_saved
+from .passes import check_no_gathered_saved, lift_region_gathers
 from .passes.bind import bind_markers
 from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
@@ -84,6 +85,7 @@ def zero3_backend(
     recording.compiling()
     ctx = CompileContext(opts, recorders=recording.listening())
     with _timed("dynamo graph passes"):
+        lift_region_gathers(gm)  # nested compile regions: markers to the calling graph
         bind_markers(gm, example_inputs)
         run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
         gm.recompile()
@@ -92,12 +94,15 @@ def zero3_backend(
     ctx.group_names = _group_names(gm, example_inputs, opts)
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
-    if opts.codegen == "eager":
-        if mode not in (None, "default"):
-            log.warning("zero3: mode=%r only applies to codegen='inductor'; ignored", mode)
-        compiled = _compile_eager(gm, example_inputs, ctx)
-    else:
-        compiled = _compile_inductor(gm, example_inputs, ctx, mode)
+    # nested compile regions: torch traces a body again at every call unless cached
+    regions = region_schemas_cached() if region_calls(gm.graph) else contextlib.nullcontext()
+    with regions:
+        if opts.codegen == "eager":
+            if mode not in (None, "default"):
+                log.warning("zero3: mode=%r only applies to codegen='inductor'; ignored", mode)
+            compiled = _compile_eager(gm, example_inputs, ctx)
+        else:
+            compiled = _compile_inductor(gm, example_inputs, ctx, mode)
     recording.add_compile_time(
         "backend total (AOTAutograd and codegen included)", time.perf_counter() - start
     )

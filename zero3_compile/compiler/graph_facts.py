@@ -198,3 +198,51 @@ def output_dependencies(gm: fx.GraphModule) -> dict[int, frozenset[int]]:
         for user in node.users:
             outs |= reaches.get(user, set())
     return {i: frozenset(reaches.get(p, set())) for i, p in enumerate(placeholders)}
+
+
+def region_calls(graph: fx.Graph) -> list[fx.Node]:
+    """The calls of nested compile regions (``invoke_subgraph(body, identifier, *operands)``,
+    ``torch.compiler.nested_compile_region``)."""
+    op = invoke_subgraph_op()
+    if op is None:
+        return []
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def region_body(call: fx.Node) -> fx.GraphModule:
+    """The body of a region call: its ``get_attr`` on the graph module that owns the call."""
+    owner = call.graph.owning_module
+    return getattr(owner, str(call.args[0].target))
+
+
+def region_param_outputs(call: fx.Node, derived: set[fx.Node]) -> dict[int, fx.Node]:
+    """The outputs of a region call computed, inside its body, from operands that are gathered
+    parameters (nodes of ``derived``, ``param_derived`` of the calling graph) and constants alone:
+    output index -> the body's node. Saved for backward, such an output would keep a gathered
+    parameter (or ``t(w)``) alive from forward to backward."""
+    body = region_body(call).graph
+    operands = call.args[2:]
+    places = [n for n in body.nodes if n.op == "placeholder"]
+    inside: set[fx.Node] = {
+        p for p, o in zip(places, operands) if isinstance(o, fx.Node) and o in derived
+    }
+    constant: set[fx.Node] = set()
+    for node in body.nodes:
+        if node.op != "call_function" or not recomputable(node):
+            continue
+        inputs = node.all_input_nodes
+        if all(i in constant for i in inputs):
+            constant.add(node)
+        elif all(i in inside or i in constant for i in inputs):
+            inside.add(node)
+    outputs = output_node_of(body).args[0]
+    return {j: o for j, o in enumerate(outputs) if isinstance(o, fx.Node) and o in inside}
+
+
+def output_node_of(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def invoke_subgraph_op():
+    """``torch.ops.higher_order.invoke_subgraph`` (torch's hierarchical compilation), or None."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)

@@ -23,6 +23,7 @@ from .passes import (
     lower_reductions,
     prefetch_gathers,
     prefetch_reloads,
+    recompute_region_saves,
     refuse_param_writes,
     serialize_collectives,
     tag_recompute,
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
 DYNAMO_PASSES: tuple[Pass, ...] = (refuse_param_writes, hoist_shard_reads, dedupe_gathers)
-JOINT_PASSES: tuple[Pass, ...] = (dedupe_gathers, tag_recompute)
+JOINT_PASSES: tuple[Pass, ...] = (recompute_region_saves, dedupe_gathers, tag_recompute)
 FORWARD_PASSES: tuple[Pass, ...] = (
     assign_buckets,
     lower_gathers,

@@ -1,8 +1,8 @@
 """Graph passes, one module each. Every pass is ``fn(gm, ctx: PassContext) -> None`` and
 mutates in place.
 
-Dynamo graph (before AOTAutograd): refuse_param_writes, hoist_shard_reads, dedupe_gathers
-Joint graph (before partitioning):  dedupe_gathers, tag_recompute
+Dynamo graph (before AOTAutograd): (lift_region_gathers, before binding) refuse_param_writes, hoist_shard_reads, dedupe_gathers
+Joint graph (before partitioning):  recompute_region_saves, dedupe_gathers, tag_recompute
 Forward / backward graphs:          assign_buckets, lower_gathers, prefetch_gathers,
                                     prefetch_reloads, lower_reductions (backward only),
                                     handoff_gathers (with cross_graph_prefetch),
@@ -19,6 +19,7 @@ from .lower_reductions import lower_reductions
 from .param_writes import refuse_param_writes
 from .prefetch import prefetch_gathers, prefetch_reloads
 from .recompute import tag_recompute
+from .regions import lift_region_gathers, recompute_region_saves
 from .serialize import serialize_collectives
 from .verify import check_no_gathered_saved, verify
 
@@ -30,9 +31,11 @@ __all__ = [
     "hoist_shard_reads",
     "insert_guard",
     "lower_gathers",
+    "lift_region_gathers",
     "lower_reductions",
     "prefetch_gathers",
     "prefetch_reloads",
+    "recompute_region_saves",
     "refuse_param_writes",
     "serialize_collectives",
     "tag_recompute",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from ...collectives.ops import GUARD, HANDOFF_GATHER, REDUCE_GRAD, RELOAD, TAKE_GATHER, UNSHARD
 from ...compat import COLLECTIVES, WAIT
 from ..context import PassContext
-from ..graph_facts import param_derived
+from ..graph_facts import param_derived, region_calls, region_param_outputs
 from ..graph_utils import node_order, output_node
 from ..markers import UnshardCall
 from ..node_keys import ROLE
@@ -118,6 +120,16 @@ def check_no_gathered_saved(
         return node.target is UNSHARD and UnshardCall.of(node).spec.fqn in kept
 
     gathered = [n.name for n in saved if n in derived and not planned(n)]
+    # a region's output computed from gathered parameters alone (``regions.py``)
+    from_regions = {call: region_param_outputs(call, derived) for call in region_calls(graph)}
+    gathered += [
+        n.name
+        for n in saved
+        if n.op == "call_function"
+        and n.target is operator.getitem
+        and n.args[0] in from_regions
+        and n.args[1] in from_regions[n.args[0]]
+    ]
     if gathered:
         raise ScheduleError(
             f"zero3: the partitioner saved gathered parameters for backward: {gathered}"

@@ -1,0 +1,178 @@
+"""Nested compile regions (``torch.compiler.nested_compile_region``): the region's body is
+compute only; its parameters are gathered, prefetched, freed and reduced by the graph calling it.
+
+Dynamo traces a region once and calls the same body (``invoke_subgraph``) for every block of its
+kind, and AOTAutograd and Inductor compile that body once: the cold compile of a model of L
+identical blocks stays near that of one block. Our markers are lifted out of the body
+(``lift_region_gathers``), so every pass sees them in the calling graph as if the blocks were
+inlined: buckets and prefetch across block boundaries, one memory estimate, one cross-rank check.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from ...collectives.ops import is_unshard
+from ...compat import is_dtensor_to_local, normalize_to_local
+from ..context import PassContext
+from ..graph_facts import param_derived, region_body, region_calls, region_param_outputs
+
+_VALUE_META = ("example_value", "val", "tensor_meta")
+
+
+def lift_region_gathers(gm: fx.GraphModule) -> None:
+    """Move each region body's parameter reads (``p.to_local()`` and its ``unshard`` marker)
+    to the calling dynamo graph, before every call of the body; the body takes the full
+    parameter instead of the ``DTensor``.
+
+    **Invariant** after: no region body reads a ``DTensor`` parameter. A body that reads one in
+    another way (a use besides the marker) is refused with the fix, not compiled with the
+    parameter's ``DTensor`` inside (AOTAutograd cannot trace that).
+
+    ```
+    before:                                        after:
+      out = invoke_subgraph(body, "b", p, x)         s = p.to_local()
+      body(p, x):                                    w = unshard(s, -1, spec)
+        s = p.to_local()                             out = invoke_subgraph(body, "b", w, x)
+        w = unshard(s, -1, spec)                     body(w, x):
+        y = linear(x, w)                               y = linear(x, w)
+    ```
+    """
+    calls = region_calls(gm.graph)
+    if not calls:
+        return
+    normalize_to_local(gm)
+    by_body: dict[int, list[fx.Node]] = {}
+    for call in calls:
+        by_body.setdefault(id(region_body(call)), []).append(call)
+    for sites in by_body.values():
+        body = region_body(sites[0])
+        places = [n for n in body.graph.nodes if n.op == "placeholder"]
+        reads = _parameter_reads(body, places)
+        for call in sites:
+            operands = list(call.args[2:])
+            for index, read, marker in reads:
+                sink = marker.args[3] if len(marker.args) > 3 else None
+                if isinstance(sink, fx.Node):
+                    sink = operands[places.index(sink)]
+                with gm.graph.inserting_before(call):
+                    local = gm.graph.call_method("to_local", (operands[index],))
+                    full = gm.graph.call_function(
+                        marker.target, (local, marker.args[1], marker.args[2], sink)
+                    )
+                _copy_meta(read, local)
+                _copy_meta(marker, full)
+                operands[index] = full
+            call.args = (*call.args[:2], *operands)
+        for index, read, marker in reads:
+            marker.replace_all_uses_with(places[index])
+            _copy_meta(marker, places[index])
+            body.graph.erase_node(marker)
+            body.graph.erase_node(read)
+        body.graph.lint()
+        body.recompile()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _parameter_reads(body: fx.GraphModule, places: list[fx.Node]):
+    """(placeholder index, its ``to_local``, the marker) for each parameter the body reads."""
+    reads = []
+    for index, place in enumerate(places):
+        users = list(place.users)
+        if not any(is_dtensor_to_local(u) for u in users):
+            continue
+        markers = [m for u in users for m in u.users]
+        if len(users) != 1 or len(markers) != 1 or not is_unshard(markers[0]):
+            raise NotImplementedError(
+                f"zero3: a nested compile region ({body.__class__.__name__}) uses a sharded "
+                f"parameter ({place.name}) other than by reading it once; read each parameter "
+                "once in the region, or remove torch.compiler.nested_compile_region from it"
+            )
+        reads.append((index, users[0], markers[0]))
+    return reads
+
+
+def _copy_meta(source: fx.Node, target: fx.Node) -> None:
+    for key in _VALUE_META:
+        if key in source.meta:
+            target.meta[key] = source.meta[key]
+
+
+def recompute_region_saves(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Give a region's backward the gathered parameters from the calling graph, not saved from
+    its forward (joint graph).
+
+    AOTAutograd partitions a region's body on its own: its forward returns, for its backward,
+    the parameters it was called with and functions of them (``t(w)``), which would keep every
+    block's gathered parameters alive from forward to backward. Each such operand of a region's
+    backward call is computed again in the calling graph from the forward call's operands (the
+    gathered parameters), so the partition that follows (``tag_recompute``) gathers them again
+    in backward and saves only shards and activations.
+
+    **Invariant** after: no region call reads an output of another region call that its body
+    computes from gathered parameters and constants alone.
+
+    ```
+    before:                                          after:
+      w = unshard(s)                                   w = unshard(s)
+      fw = invoke_subgraph(fw_body, "f", w, x)         fw = invoke_subgraph(fw_body, "f", w, x)
+      t_w = fw[1]          # body: t(w)                t_w = t(w)
+      bw = invoke_subgraph(bw_body, "b", t_w, g)       bw = invoke_subgraph(bw_body, "b", t_w, g)
+    ```
+    """
+    calls = region_calls(gm.graph)
+    if not calls:
+        return
+    derived = param_derived(gm.graph)
+    param_outputs = {call: region_param_outputs(call, derived) for call in calls}
+    changed = False
+    for call in calls:
+        operands = list(call.args[2:])
+        for k, operand in enumerate(operands):
+            source = _region_output(operand, param_outputs)
+            if source is None:
+                continue
+            forward, node = source
+            with gm.graph.inserting_before(call):
+                operands[k] = _copy_into(gm.graph, node, forward)
+            changed = True
+        call.args = (*call.args[:2], *operands)
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _region_output(operand, param_outputs) -> tuple[fx.Node, fx.Node] | None:
+    """(the forward region call, the body node) when ``operand`` is ``call[j]`` of a region call
+    whose body computes output ``j`` from gathered parameters alone."""
+    if not (isinstance(operand, fx.Node) and operand.op == "call_function"):
+        return None
+    if operand.target is not operator.getitem or operand.args[0] not in param_outputs:
+        return None
+    forward, index = operand.args
+    node = param_outputs[forward].get(index)
+    return None if node is None else (forward, node)
+
+
+def _copy_into(graph: fx.Graph, node: fx.Node, call: fx.Node) -> fx.Node:
+    """Copy ``node`` and its ancestors from the body of ``call`` into ``graph`` (at its insert
+    point), the body's placeholders standing for the call's operands."""
+    body = region_body(call).graph
+    places = [n for n in body.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, fx.Node] = dict(zip(places, call.args[2:]))
+
+    def copy(n: fx.Node) -> fx.Node:
+        if n not in env:
+            for inp in n.all_input_nodes:
+                copy(inp)
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        return env[n]
+
+    return copy(node)
+
+
+__all__ = ["lift_region_gathers", "recompute_region_saves"]
