@@ -151,14 +151,18 @@ def _count_compiled_calls() -> list[int]:
     return count
 
 
-# the whole Llama with Inductor (a minute of compile here) is left to tests/test_hf.py's depth
+# the whole Llama with Inductor, inlined or in regions, is left to tests/test_hf.py (compile time)
 CASES = [
     (kind, how, codegen)
     for kind in ("gpt", "llama")
     for how in ("whole", "regions", "per_block", "per_block_handoff")
     for codegen in ("eager", "inductor")
     if (kind, how, codegen)
-    not in (("llama", "whole", "inductor"), ("llama", "per_block_handoff", "inductor"))
+    not in (
+        ("llama", "whole", "inductor"),
+        ("llama", "regions", "inductor"),
+        ("llama", "per_block_handoff", "inductor"),
+    )
 ]
 
 
@@ -360,14 +364,21 @@ def _regions_against_inline(rank, world, mode):
     return runs
 
 
-@pytest.mark.parametrize("mode", ["bf16", "accumulate"])
+MODES = [("bf16",), ("accumulate",)]
+
+
+@functools.cache
+def inline_comparison():
+    return run_scenarios(_regions_against_inline, 2, MODES, timeout=900)
+
+
+@pytest.mark.parametrize("mode", [m for (m,) in MODES])
 def test_regions_train_bit_identically_to_the_inlined_model(mode):
     """The region's body computes what the inlined blocks compute, on the same gathered
     values: mixed precision (bf16 gathers into the body) and gradient accumulation (the
     gradient sinks lifted with the markers) give the inline compile's losses and parameters
     to the bit."""
-    (ranks,) = run_scenarios(_regions_against_inline, 2, [(mode,)], timeout=600).values()
-    for r in ranks:
+    for r in inline_comparison()[(mode,)]:
         (losses, params), (inline_losses, inline_params) = r[True], r[False]
         assert losses == inline_losses
         assert losses[-1] < losses[0]
