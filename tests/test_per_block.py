@@ -23,7 +23,7 @@ from zero3_compile.compiler.recording import record_graphs
 
 from .dist_utils import run_scenarios
 from .graph_checks import analyze, inductor_gather_report
-from .models import GPT, GPTConfig, gpt_batch, gpt_loss
+from .models import GPT, GPTConfig, GraphBreakGPT, gpt_batch, gpt_loss
 from .training import PER_RANK_BATCH, rel_diff
 
 DEPTH = 10  # past dynamo's recompile limit (8): blocks 9 and 10 would run uncompiled
@@ -335,27 +335,49 @@ def test_compile_once_refuses_modules_that_are_not_sharded_and_is_idempotent(fak
     assert hasattr(forward, "__marked_compile_region_fn__")
 
 
+class ReadsTwice(nn.Module):
+    """Reads its weight twice in one forward (two gathers of one parameter when traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x * self.fc.weight.mean()
+
+
+def _regions_model(mode: str):
+    """(model, its blocks, loss on a fixed batch) for ``mode``."""
+    if mode == "read_twice":
+        model = nn.Sequential(*[ReadsTwice() for _ in range(3)])
+        batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        return model, list(model), lambda m, step: m(batch).square().mean()
+    model = (GraphBreakGPT if mode == "graph_break" else GPT)(GPTConfig(n_layer=3))
+    return model, model.transformer.h, lambda m, step: gpt_loss(m, gpt_batch(4, seed=step))
+
+
 def _regions_against_inline(rank, world, mode):
-    """Three steps of a GPT compiled whole, with and without ``compile_once``, in ``mode``
-    (bf16 parameters, or a micro-batch accumulated without gradient sync before each step):
-    the losses and the final parameters of both."""
+    """Three steps of a model compiled whole, with and without ``compile_once``, in ``mode``:
+    bf16 parameters; a micro-batch accumulated without gradient sync before each step; a graph
+    break between blocks (two graphs calling the region); a block reading its weight twice.
+    The losses and the final parameters of both."""
     runs = {}
     for regions in (True, False):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=3))
+        model, blocks, loss_of = _regions_model(mode)
         z3.shard(model, **({"param_dtype": torch.bfloat16} if mode == "bf16" else {}))
         if regions:
-            z3.compile_once(model.transformer.h)
+            z3.compile_once(blocks)
         compiled = torch.compile(model, backend="zero3", options={"codegen": "eager"})
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.02)
         losses = []
         for step in range(3):
             if mode == "accumulate":
                 z3.set_requires_gradient_sync(model, False)
-                gpt_loss(compiled, gpt_batch(4, seed=10 + step)).backward()
+                loss_of(compiled, 10 + step).backward()
                 z3.set_requires_gradient_sync(model, True)
-            loss = gpt_loss(compiled, gpt_batch(4, seed=step))
+            loss = loss_of(compiled, step)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -364,7 +386,7 @@ def _regions_against_inline(rank, world, mode):
     return runs
 
 
-MODES = [("bf16",), ("accumulate",)]
+MODES = [("bf16",), ("accumulate",), ("graph_break",), ("read_twice",)]
 
 
 @functools.cache
@@ -375,9 +397,10 @@ def inline_comparison():
 @pytest.mark.parametrize("mode", [m for (m,) in MODES])
 def test_regions_train_bit_identically_to_the_inlined_model(mode):
     """The region's body computes what the inlined blocks compute, on the same gathered
-    values: mixed precision (bf16 gathers into the body) and gradient accumulation (the
-    gradient sinks lifted with the markers) give the inline compile's losses and parameters
-    to the bit."""
+    values: mixed precision (bf16 gathers into the body), gradient accumulation (the gradient
+    sinks lifted with the markers), a graph break between blocks and a parameter read twice in
+    a block (one gather serves both reads) give the inline compile's losses and parameters to
+    the bit."""
     for r in inline_comparison()[(mode,)]:
         (losses, params), (inline_losses, inline_params) = r[True], r[False]
         assert losses == inline_losses

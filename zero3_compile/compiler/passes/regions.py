@@ -53,7 +53,8 @@ def lift_region_gathers(gm: fx.GraphModule) -> None:
         reads = _parameter_reads(body, places)
         for call in sites:
             operands = list(call.args[2:])
-            for index, read, marker in reads:
+            for index, pairs in reads:
+                read, marker = pairs[0]
                 sink = marker.args[3] if len(marker.args) > 3 else None
                 if isinstance(sink, fx.Node):
                     sink = operands[places.index(sink)]
@@ -66,11 +67,12 @@ def lift_region_gathers(gm: fx.GraphModule) -> None:
                 _copy_meta(marker, full)
                 operands[index] = full
             call.args = (*call.args[:2], *operands)
-        for index, read, marker in reads:
-            marker.replace_all_uses_with(places[index])
-            _copy_meta(marker, places[index])
-            body.graph.erase_node(marker)
-            body.graph.erase_node(read)
+        for index, pairs in reads:
+            _copy_meta(pairs[0][1], places[index])
+            for read, marker in pairs:  # one gather serves every read of the parameter
+                marker.replace_all_uses_with(places[index])
+                body.graph.erase_node(marker)
+                body.graph.erase_node(read)
         body.graph.lint()
         body.recompile()
     gm.graph.lint()
@@ -78,20 +80,27 @@ def lift_region_gathers(gm: fx.GraphModule) -> None:
 
 
 def _parameter_reads(body: fx.GraphModule, places: list[fx.Node]):
-    """(placeholder index, its ``to_local``, the marker) for each parameter the body reads."""
+    """(placeholder index, [(its ``to_local``, the marker), ...]) for each parameter the body
+    reads (a parameter read twice traces to two reads of the same shard and spec)."""
     reads = []
     for index, place in enumerate(places):
         users = list(place.users)
         if not any(is_dtensor_to_local(u) for u in users):
             continue
-        markers = [m for u in users for m in u.users]
-        if len(users) != 1 or len(markers) != 1 or not is_unshard(markers[0]):
+        pairs = [(u, next(iter(u.users), None)) for u in users]
+        if not all(
+            is_dtensor_to_local(read)
+            and len(read.users) == 1
+            and is_unshard(marker)
+            and marker.args[1:] == pairs[0][1].args[1:]
+            for read, marker in pairs
+        ):
             raise NotImplementedError(
                 f"zero3: a nested compile region ({body.__class__.__name__}) uses a sharded "
-                f"parameter ({place.name}) other than by reading it once; read each parameter "
-                "once in the region, or remove torch.compiler.nested_compile_region from it"
+                f"parameter ({place.name}) other than by reading it; read the parameter as a "
+                "module attribute in the region, or do not pass its block to compile_once"
             )
-        reads.append((index, users[0], markers[0]))
+        reads.append((index, pairs))
     return reads
 
 
