@@ -100,6 +100,11 @@ def parse_args(argv=None):
     parser.add_argument("--codegen", choices=["eager", "inductor"], default="eager")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (MixedPrecision)")
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument(
+        "--compile-once",
+        action="store_true",
+        help="z3.compile_once(the decoder layers): each kind of layer compiled once",
+    )
     parser.add_argument("--compute-layers", default="", help="e.g. 1,2: measure compute alone")
     parser.add_argument("--cache", default=os.path.join(HERE, "out", "big", "checkpoints"))
     parser.add_argument("--scratch", default=os.path.join(HERE, "out", "big", "scratch"))
@@ -329,6 +334,8 @@ def run_zero3(rank, world, cfg: dict):
             o_direct=cfg.get("o_direct", False),
         )
     phases.opt = opt
+    if cfg.get("compile_once"):
+        z3.compile_once(model.model.layers)
     step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
     step, losses = _train_phases(phases, step_model, opt, rank, cfg)
     steps = cfg["steps"]
@@ -630,7 +637,8 @@ def main(argv=None) -> None:
                 single_copy=args.single_copy, o_direct=args.o_direct,
                 tile_mb=args.tile_mb,
                 seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
-                bf16=args.bf16, checkpoint_model=checkpoint)  # fmt: skip
+                bf16=args.bf16, checkpoint_model=checkpoint,
+                compile_once=args.compile_once)  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
     if len(depths) >= 2:

@@ -346,20 +346,36 @@ class ReadsTwice(nn.Module):
         return torch.tanh(self.fc(x)) + x * self.fc.weight.mean()
 
 
+class CheckpointedGPT(GPT):
+    """The GPT with every block under activation checkpointing (a region inside a
+    checkpointed region)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 def _regions_model(mode: str):
     """(model, its blocks, loss on a fixed batch) for ``mode``."""
     if mode == "read_twice":
         model = nn.Sequential(*[ReadsTwice() for _ in range(3)])
         batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
         return model, list(model), lambda m, step: m(batch).square().mean()
-    model = (GraphBreakGPT if mode == "graph_break" else GPT)(GPTConfig(n_layer=3))
+    kind = {"graph_break": GraphBreakGPT, "checkpointed": CheckpointedGPT}.get(mode, GPT)
+    model = kind(GPTConfig(n_layer=3))
     return model, model.transformer.h, lambda m, step: gpt_loss(m, gpt_batch(4, seed=step))
 
 
 def _regions_against_inline(rank, world, mode):
     """Three steps of a model compiled whole, with and without ``compile_once``, in ``mode``:
     bf16 parameters; a micro-batch accumulated without gradient sync before each step; a graph
-    break between blocks (two graphs calling the region); a block reading its weight twice.
+    break between blocks (two graphs calling the region); a block reading its weight twice; every
+    block under activation checkpointing.
     The losses and the final parameters of both."""
     runs = {}
     for regions in (True, False):
@@ -386,7 +402,7 @@ def _regions_against_inline(rank, world, mode):
     return runs
 
 
-MODES = [("bf16",), ("accumulate",), ("graph_break",), ("read_twice",)]
+MODES = [("bf16",), ("accumulate",), ("graph_break",), ("read_twice",), ("checkpointed",)]
 
 
 @functools.cache
@@ -398,9 +414,10 @@ def inline_comparison():
 def test_regions_train_bit_identically_to_the_inlined_model(mode):
     """The region's body computes what the inlined blocks compute, on the same gathered
     values: mixed precision (bf16 gathers into the body), gradient accumulation (the gradient
-    sinks lifted with the markers), a graph break between blocks and a parameter read twice in
-    a block (one gather serves both reads) give the inline compile's losses and parameters to
-    the bit."""
+    sinks lifted with the markers), a graph break between blocks, a parameter read twice in a
+    block (one gather serves both reads) and blocks under activation checkpointing (reads lifted
+    out of the region into the checkpointed body, then out of it) give the inline compile's
+    losses and parameters to the bit."""
     for r in inline_comparison()[(mode,)]:
         (losses, params), (inline_losses, inline_params) = r[True], r[False]
         assert losses == inline_losses

@@ -2,8 +2,8 @@
 compute only; its parameters are gathered, prefetched, freed and reduced by the graph calling it.
 
 Dynamo traces a region once and calls the same body (``invoke_subgraph``) for every block of its
-kind, and AOTAutograd and Inductor compile that body once: the cold compile of a model of L
-identical blocks stays near that of one block. Our markers are lifted out of the body
+kind, and AOTAutograd and Inductor compile that body once, whatever the depth. Our markers are
+lifted out of the body
 (``lift_region_gathers``), so every pass sees them in the calling graph as if the blocks were
 inlined: buckets and prefetch across block boundaries, one memory estimate, one cross-rank check.
 """
@@ -11,10 +11,11 @@ inlined: buckets and prefetch across block boundaries, one memory estimate, one 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ...collectives.ops import is_unshard
+from ...collectives.ops import UNSHARD, is_unshard
 from ...compat import is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
 from ..graph_facts import param_derived, region_body, region_calls, region_param_outputs
@@ -40,43 +41,82 @@ def lift_region_gathers(gm: fx.GraphModule) -> None:
         y = linear(x, w)                               y = linear(x, w)
     ```
     """
-    calls = region_calls(gm.graph)
-    if not calls:
+    if not any(region_calls(m.graph) for m in gm.modules() if isinstance(m, fx.GraphModule)):
         return
     normalize_to_local(gm)
-    by_body: dict[int, list[fx.Node]] = {}
+    _lift(gm)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A parameter read lifted out of a body: the placeholder it read, the marker's constant
+    arguments, the placeholder of its gradient sink (or None), the nodes' value metadata."""
+
+    index: int
+    param_id: int
+    spec: str
+    sink_index: int | None
+    local_meta: dict
+    full_meta: dict
+
+
+def _lift(gm: fx.GraphModule, lifted: dict | None = None) -> None:
+    """Lift the reads of the regions ``gm`` calls, and first those of the regions its bodies
+    (regions, checkpointed regions) call: a read lifted out of an inner body lands in the
+    enclosing body and is lifted from there in turn. ``lifted``: id of a body -> its reads,
+    so a body called from several graphs is rewritten once and every call site gets its reads."""
+    lifted = {} if lifted is None else lifted
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            _lift(child, lifted)
+    calls = region_calls(gm.graph)
     for call in calls:
-        by_body.setdefault(id(region_body(call)), []).append(call)
-    for sites in by_body.values():
-        body = region_body(sites[0])
-        places = [n for n in body.graph.nodes if n.op == "placeholder"]
-        reads = _parameter_reads(body, places)
-        for call in sites:
-            operands = list(call.args[2:])
-            for index, pairs in reads:
-                read, marker = pairs[0]
-                sink = marker.args[3] if len(marker.args) > 3 else None
-                if isinstance(sink, fx.Node):
-                    sink = operands[places.index(sink)]
-                with gm.graph.inserting_before(call):
-                    local = gm.graph.call_method("to_local", (operands[index],))
-                    full = gm.graph.call_function(
-                        marker.target, (local, marker.args[1], marker.args[2], sink)
-                    )
-                _copy_meta(read, local)
-                _copy_meta(marker, full)
-                operands[index] = full
-            call.args = (*call.args[:2], *operands)
-        for index, pairs in reads:
-            _copy_meta(pairs[0][1], places[index])
-            for read, marker in pairs:  # one gather serves every read of the parameter
-                marker.replace_all_uses_with(places[index])
-                body.graph.erase_node(marker)
-                body.graph.erase_node(read)
+        body = region_body(call)
+        if id(body) not in lifted:
+            lifted[id(body)] = (body, _take_reads(body))  # the body kept alive: ids stay unique
+        _, reads = lifted[id(body)]
+        operands = list(call.args[2:])
+        for read in reads:
+            sink = None if read.sink_index is None else operands[read.sink_index]
+            with gm.graph.inserting_before(call):
+                local = gm.graph.call_method("to_local", (operands[read.index],))
+                full = gm.graph.call_function(UNSHARD, (local, read.param_id, read.spec, sink))
+            local.meta.update(read.local_meta)
+            full.meta.update(read.full_meta)
+            operands[read.index] = full
+        call.args = (*call.args[:2], *operands)
+    if calls:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _take_reads(body: fx.GraphModule) -> list[_Read]:
+    """Remove the parameter reads from ``body`` (its placeholders then hold the full
+    parameters); returns them."""
+    places = [n for n in body.graph.nodes if n.op == "placeholder"]
+    reads = []
+    for index, pairs in _parameter_reads(body, places):
+        read, marker = pairs[0]
+        sink = marker.args[3] if len(marker.args) > 3 else None
+        reads.append(
+            _Read(
+                index=index,
+                param_id=marker.args[1],
+                spec=marker.args[2],
+                sink_index=places.index(sink) if isinstance(sink, fx.Node) else None,
+                local_meta=_value_meta(read),
+                full_meta=_value_meta(marker),
+            )
+        )
+        places[index].meta.update(_value_meta(marker))
+        for read, marker in pairs:  # one gather serves every read of the parameter
+            marker.replace_all_uses_with(places[index])
+            body.graph.erase_node(marker)
+            body.graph.erase_node(read)
+    if reads:
         body.graph.lint()
         body.recompile()
-    gm.graph.lint()
-    gm.recompile()
+    return reads
 
 
 def _parameter_reads(body: fx.GraphModule, places: list[fx.Node]):
@@ -104,10 +144,8 @@ def _parameter_reads(body: fx.GraphModule, places: list[fx.Node]):
     return reads
 
 
-def _copy_meta(source: fx.Node, target: fx.Node) -> None:
-    for key in _VALUE_META:
-        if key in source.meta:
-            target.meta[key] = source.meta[key]
+def _value_meta(node: fx.Node) -> dict:
+    return {key: node.meta[key] for key in _VALUE_META if key in node.meta}
 
 
 def recompute_region_saves(gm: fx.GraphModule, ctx: PassContext) -> None:
