@@ -260,3 +260,12 @@ def save_waited(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
         output.args = (tuple(outputs), *output.args[1:])
         graph.lint()
         fw_module.recompile()
+
+
+# the metadata of a node's value (dynamo's example value, the traced value, its tensor meta)
+VALUE_META = ("example_value", "val", "tensor_meta")
+
+
+def value_meta(node: fx.Node) -> dict:
+    """The value metadata of ``node``, to give a node that computes the same value."""
+    return {key: node.meta[key] for key in VALUE_META if key in node.meta}

@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from ...compat import checkpoint_hops, is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
+from ..graph_utils import value_meta
 
 
 def hoist_shard_reads(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -54,11 +55,11 @@ def _hoist(gm: fx.GraphModule) -> None:
             reads = list(ph.users)
             with gm.graph.inserting_before(node):
                 local = gm.graph.call_method("to_local", (operand,))
-            _copy_value_meta(reads[0], local)
+            local.meta.update(value_meta(reads[0]))
             for read in reads:
                 read.replace_all_uses_with(ph)
                 body.graph.erase_node(read)
-            _copy_value_meta(reads[0], ph)
+            ph.meta.update(value_meta(reads[0]))
             operands[i] = local
         node.args = (body_ref, *operands)
         body.graph.lint()
@@ -67,9 +68,3 @@ def _hoist(gm: fx.GraphModule) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
-
-
-def _copy_value_meta(source: fx.Node, target: fx.Node) -> None:
-    for key in ("example_value", "val", "tensor_meta"):
-        if key in source.meta:
-            target.meta[key] = source.meta[key]

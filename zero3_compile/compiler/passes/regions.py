@@ -19,8 +19,7 @@ from ...collectives.ops import UNSHARD, is_unshard
 from ...compat import is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
 from ..graph_facts import param_derived, region_body, region_calls, region_param_outputs
-
-_VALUE_META = ("example_value", "val", "tensor_meta")
+from ..graph_utils import value_meta
 
 
 def lift_region_gathers(gm: fx.GraphModule) -> None:
@@ -104,11 +103,11 @@ def _take_reads(body: fx.GraphModule) -> list[_Read]:
                 param_id=marker.args[1],
                 spec=marker.args[2],
                 sink_index=places.index(sink) if isinstance(sink, fx.Node) else None,
-                local_meta=_value_meta(read),
-                full_meta=_value_meta(marker),
+                local_meta=value_meta(read),
+                full_meta=value_meta(marker),
             )
         )
-        places[index].meta.update(_value_meta(marker))
+        places[index].meta.update(value_meta(marker))
         for read, marker in pairs:  # one gather serves every read of the parameter
             marker.replace_all_uses_with(places[index])
             body.graph.erase_node(marker)
@@ -142,10 +141,6 @@ def _parameter_reads(body: fx.GraphModule, places: list[fx.Node]):
             )
         reads.append((index, pairs))
     return reads
-
-
-def _value_meta(node: fx.Node) -> dict:
-    return {key: node.meta[key] for key in _VALUE_META if key in node.meta}
 
 
 def recompute_region_saves(gm: fx.GraphModule, ctx: PassContext) -> None:
