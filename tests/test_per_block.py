@@ -385,6 +385,8 @@ def _regions_against_inline(rank, world, mode):
         z3.shard(model, **({"param_dtype": torch.bfloat16} if mode == "bf16" else {}))
         if regions:
             z3.compile_once(blocks)
+            if mode == "nested":  # each block's MLP a region inside the block's region
+                z3.compile_once([block.mlp for block in blocks])
         compiled = torch.compile(model, backend="zero3", options={"codegen": "eager"})
         opt = torch.optim.SGD(model.parameters(), lr=0.02)
         losses = []
@@ -402,7 +404,14 @@ def _regions_against_inline(rank, world, mode):
     return runs
 
 
-MODES = [("bf16",), ("accumulate",), ("graph_break",), ("read_twice",), ("checkpointed",)]
+MODES = [
+    ("bf16",),
+    ("accumulate",),
+    ("graph_break",),
+    ("read_twice",),
+    ("checkpointed",),
+    ("nested",),
+]
 
 
 @functools.cache
@@ -415,9 +424,9 @@ def test_regions_train_bit_identically_to_the_inlined_model(mode):
     """The region's body computes what the inlined blocks compute, on the same gathered
     values: mixed precision (bf16 gathers into the body), gradient accumulation (the gradient
     sinks lifted with the markers), a graph break between blocks, a parameter read twice in a
-    block (one gather serves both reads) and blocks under activation checkpointing (reads lifted
-    out of the region into the checkpointed body, then out of it) give the inline compile's
-    losses and parameters to the bit."""
+    block (one gather serves both reads), blocks under activation checkpointing and a region in
+    a region (reads lifted out of the inner body into the enclosing one, then out of it) give
+    the inline compile's losses and parameters to the bit."""
     for r in inline_comparison()[(mode,)]:
         (losses, params), (inline_losses, inline_params) = r[True], r[False]
         assert losses == inline_losses

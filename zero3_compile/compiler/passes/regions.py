@@ -63,8 +63,12 @@ def _lift(gm: fx.GraphModule, lifted: dict | None = None) -> None:
     """Lift the reads of the regions ``gm`` calls, and first those of the regions its bodies
     (regions, checkpointed regions) call: a read lifted out of an inner body lands in the
     enclosing body and is lifted from there in turn. ``lifted``: id of a body -> its reads,
-    so a body called from several graphs is rewritten once and every call site gets its reads."""
+    so a body called from several graphs is rewritten once and every call site gets its reads;
+    and the graphs already visited (their own calls are lifted once)."""
     lifted = {} if lifted is None else lifted
+    if ("visited", id(gm)) in lifted:  # a body shared by several callers: its calls done once
+        return
+    lifted[("visited", id(gm))] = gm
     for child in gm.children():
         if isinstance(child, fx.GraphModule):
             _lift(child, lifted)
