@@ -375,7 +375,7 @@ def _regions_against_inline(rank, world, mode):
     """Three steps of a model compiled whole, with and without ``compile_once``, in ``mode``:
     bf16 parameters; a micro-batch accumulated without gradient sync before each step; a graph
     break between blocks (two graphs calling the region); a block reading its weight twice; every
-    block under activation checkpointing.
+    block under activation checkpointing; each block's MLP a region inside the block's region.
     The losses and the final parameters of both."""
     runs = {}
     for regions in (True, False):
