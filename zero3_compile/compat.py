@@ -9,7 +9,9 @@ the ops were not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -293,6 +295,12 @@ def checkpoint_hops() -> tuple:
     return tuple(ops)
 
 
+def invoke_subgraph_op():
+    """``torch.ops.higher_order.invoke_subgraph`` (the op of ``nested_compile_region``), or
+    None. Private (``torch._higher_order_ops``); checked 2.13-2.14."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
 def set_grad_enabled_target():
     """What dynamo records for ``torch.no_grad()`` / ``enable_grad()`` regions."""
     return torch._C._set_grad_enabled
@@ -509,9 +517,6 @@ def region_schemas_cached():
     within one compile it is looked up. Private (``torch._higher_order_ops.invoke_subgraph``);
     checked 2.13-2.14; where the class or method is missing nothing is cached.
     """
-    import contextlib
-    import importlib
-
     try:
         module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
         hop_class = module.InvokeSubgraphHOP

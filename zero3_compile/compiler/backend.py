@@ -50,7 +50,7 @@ from ..sharding.nodes import node_group, ranks_per_node
 from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
-from .graph_facts import output_dependencies, region_calls
+from .graph_facts import calls_regions, output_dependencies
 from .graph_utils import copy_graph_module, output_node, save_waited
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
@@ -95,7 +95,7 @@ def zero3_backend(
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     # nested compile regions: torch traces a body again at every call unless cached
-    regions = region_schemas_cached() if region_calls(gm.graph) else contextlib.nullcontext()
+    regions = region_schemas_cached() if calls_regions(gm) else contextlib.nullcontext()
     with regions:
         if opts.codegen == "eager":
             if mode not in (None, "default"):

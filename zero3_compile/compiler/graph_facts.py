@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
-from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload
+from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload, invoke_subgraph_op
+from .graph_utils import output_node
 from .node_keys import ROLE, ROLE_ALL_GATHER, ROLE_REPLICA_ALL_REDUCE
 
 
@@ -77,15 +78,16 @@ def recomputable(node: fx.Node) -> bool:
     return True
 
 
-def param_derived(graph: fx.Graph) -> set[fx.Node]:
+def param_derived(graph: fx.Graph, sources: Iterable[fx.Node] = ()) -> set[fx.Node]:
     """Nodes whose value is a gathered parameter or a function of gathered parameters and
     constants alone (``t(w)``, ``w.to(bf16)``, ``embedding(w_pos, arange(n))``).
 
-    Sources are ``unshard`` markers (unlowered graphs) and all-gather waits (lowered graphs).
+    Sources are ``unshard`` markers (unlowered graphs), all-gather waits (lowered graphs) and
+    ``sources`` (a region body's placeholders that receive gathered parameters).
     Such a value can always be recomputed from the shards, so it must never be saved for
     backward (``reshard_after_forward``) nor outlive the graph.
     """
-    derived: set[fx.Node] = set()
+    derived: set[fx.Node] = set(sources)
     constant: set[fx.Node] = set()
     shards = shard_inputs(graph)
     for node in graph.nodes:
@@ -209,6 +211,11 @@ def region_calls(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
 
 
+def calls_regions(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` or a body it holds (a checkpointed region, a region) calls a region."""
+    return any(region_calls(m.graph) for m in gm.modules() if isinstance(m, fx.GraphModule))
+
+
 def region_body(call: fx.Node) -> fx.GraphModule:
     """The body of a region call: its ``get_attr`` on the graph module that owns the call."""
     owner = call.graph.owning_module
@@ -221,28 +228,8 @@ def region_param_outputs(call: fx.Node, derived: set[fx.Node]) -> dict[int, fx.N
     output index -> the body's node. Saved for backward, such an output would keep a gathered
     parameter (or ``t(w)``) alive from forward to backward."""
     body = region_body(call).graph
-    operands = call.args[2:]
     places = [n for n in body.nodes if n.op == "placeholder"]
-    inside: set[fx.Node] = {
-        p for p, o in zip(places, operands) if isinstance(o, fx.Node) and o in derived
-    }
-    constant: set[fx.Node] = set()
-    for node in body.nodes:
-        if node.op != "call_function" or not recomputable(node):
-            continue
-        inputs = node.all_input_nodes
-        if all(i in constant for i in inputs):
-            constant.add(node)
-        elif all(i in inside or i in constant for i in inputs):
-            inside.add(node)
-    outputs = output_node_of(body).args[0]
+    gathered = [p for p, o in zip(places, call.args[2:]) if isinstance(o, fx.Node) and o in derived]
+    inside = param_derived(body, gathered)
+    outputs = output_node(body).args[0]
     return {j: o for j, o in enumerate(outputs) if isinstance(o, fx.Node) and o in inside}
-
-
-def output_node_of(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def invoke_subgraph_op():
-    """``torch.ops.higher_order.invoke_subgraph`` (torch's hierarchical compilation), or None."""
-    return getattr(torch.ops.higher_order, "invoke_subgraph", None)

@@ -3,8 +3,7 @@ compute only; its parameters are gathered, prefetched, freed and reduced by the 
 
 Dynamo traces a region once and calls the same body (``invoke_subgraph``) for every block of its
 kind, and AOTAutograd and Inductor compile that body once, whatever the depth. Our markers are
-lifted out of the body
-(``lift_region_gathers``), so every pass sees them in the calling graph as if the blocks were
+lifted out of the body (``lift_region_gathers``), so every pass sees them in the calling graph as if the blocks were
 inlined: buckets and prefetch across block boundaries, one memory estimate, one cross-rank check.
 """
 
@@ -18,7 +17,13 @@ import torch.fx as fx
 from ...collectives.ops import UNSHARD, is_unshard
 from ...compat import is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
-from ..graph_facts import param_derived, region_body, region_calls, region_param_outputs
+from ..graph_facts import (
+    calls_regions,
+    param_derived,
+    region_body,
+    region_calls,
+    region_param_outputs,
+)
 from ..graph_utils import value_meta
 
 
@@ -40,10 +45,10 @@ def lift_region_gathers(gm: fx.GraphModule) -> None:
         y = linear(x, w)                               y = linear(x, w)
     ```
     """
-    if not any(region_calls(m.graph) for m in gm.modules() if isinstance(m, fx.GraphModule)):
+    if not calls_regions(gm):
         return
     normalize_to_local(gm)
-    _lift(gm)
+    _lift(gm, {}, set())
 
 
 @dataclass(frozen=True)
@@ -59,25 +64,24 @@ class _Read:
     full_meta: dict
 
 
-def _lift(gm: fx.GraphModule, lifted: dict | None = None) -> None:
+def _lift(gm: fx.GraphModule, reads_of: dict, visited: set) -> None:
     """Lift the reads of the regions ``gm`` calls, and first those of the regions its bodies
     (regions, checkpointed regions) call: a read lifted out of an inner body lands in the
-    enclosing body and is lifted from there in turn. ``lifted``: id of a body -> its reads,
-    so a body called from several graphs is rewritten once and every call site gets its reads;
-    and the graphs already visited (their own calls are lifted once)."""
-    lifted = {} if lifted is None else lifted
-    if ("visited", id(gm)) in lifted:  # a body shared by several callers: its calls done once
+    enclosing body and is lifted from there in turn. ``reads_of``: body -> its reads, so a body
+    called from several graphs is rewritten once and every call site gets its reads;
+    ``visited``: the graphs whose calls are lifted already."""
+    if gm in visited:  # a body shared by several callers
         return
-    lifted[("visited", id(gm))] = gm
+    visited.add(gm)
     for child in gm.children():
         if isinstance(child, fx.GraphModule):
-            _lift(child, lifted)
+            _lift(child, reads_of, visited)
     calls = region_calls(gm.graph)
     for call in calls:
         body = region_body(call)
-        if id(body) not in lifted:
-            lifted[id(body)] = (body, _take_reads(body))  # the body kept alive: ids stay unique
-        _, reads = lifted[id(body)]
+        if body not in reads_of:
+            reads_of[body] = _take_reads(body)
+        reads = reads_of[body]
         operands = list(call.args[2:])
         for read in reads:
             sink = None if read.sink_index is None else operands[read.sink_index]
