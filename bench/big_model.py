@@ -224,9 +224,12 @@ class Phases:
         }
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    def phase(self, name: str, settle: bool = True):
+        """``settle``: collect garbage and return freed memory to the system first (not
+        inside a step, where a training loop would not)."""
+        if settle:
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         start_rss = _status_kib("VmRSS") * 1024
@@ -255,19 +258,23 @@ def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict, backwar
     (DeepSpeed's engine)."""
     losses = []
 
-    def step(i):
+    def step(i, phase=None):
+        phase = phase or (lambda name, settle=True: contextlib.nullcontext())
         ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
-        loss = step_model(input_ids=ids, labels=ids).loss
-        if backward is None:
-            loss.backward()
-        else:
-            backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with phase("first step: forward (compiles)"):
+            loss = step_model(input_ids=ids, labels=ids).loss
+        with phase("first step: backward", settle=False):
+            if backward is None:
+                loss.backward()
+            else:
+                backward(loss)
+        with phase("first step: optimizer", settle=False):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
 
-    with phases.phase("first step (compiles)"):
-        step(0)
+    # the first step in three phases: which of them sets its peak
+    step(0, phases.phase)
     with phases.phase("steps"):
         for i in range(1, cfg["steps"]):
             step(i)

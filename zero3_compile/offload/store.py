@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .allocator import settle_host_allocator
+
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096
@@ -101,6 +103,7 @@ class DiskStore:
         staging_mb: float = 16.0,
         double_buffer: bool = True,
     ):
+        settle_host_allocator()  # host memory that offloading saves is given back
         private = path is None
         if private:
             path = tempfile.mkdtemp(prefix="zero3-offload-")
