@@ -628,6 +628,29 @@ def test_the_first_offloaded_step_gives_freed_host_memory_back():
     assert fixed["mapped"] >= 16 * 2**20, fixed
 
 
+def test_a_threshold_the_user_gave_glibc_stands():
+    import subprocess
+    import sys
+
+    code = "from zero3_compile.offload.allocator import settle_host_allocator as s; print(s())"
+    settled = {}
+    for name, env in (
+        ("default", {}),
+        ("malloc env", {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+        ("tunables", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}),
+        ("ours", {"ZERO3_MMAP_THRESHOLD": str(2**20)}),
+        ("off", {"ZERO3_MMAP_THRESHOLD": "0"}),
+    ):
+        glibc_own = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+        env = {k: v for k, v in os.environ.items() if k not in glibc_own} | env
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        settled[name] = int(out.stdout.split()[-1])
+    assert settled == {
+        "default": 8 * 2**20, "malloc env": 0, "tunables": 0, "ours": 2**20, "off": 0
+    }, settled  # fmt: skip
+
+
 def test_memory_estimate_within_5_percent_of_what_the_run_holds():
     plain, offloaded, spooled_too = memory_runs()
     for run, setting in (

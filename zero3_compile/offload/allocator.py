@@ -12,8 +12,9 @@ A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from mo
 every allocation of at least ``MMAP_THRESHOLD`` bytes with its own mapping, returned to the
 system when freed, so freed large tensors never leave holes. Set once per process, when the first
 disk store is created (host memory is then what the user is saving); ``ZERO3_MMAP_THRESHOLD``
-(bytes; ``0`` leaves the allocator alone) overrides it. Another allocator (jemalloc or tcmalloc
-preloaded) is left alone too.
+(bytes; ``0`` leaves the allocator alone) overrides it. A threshold the user gave glibc
+(``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``) and
+another allocator (jemalloc or tcmalloc preloaded) are left alone too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def settle_host_allocator() -> int:
             raise ValueError(
                 f"zero3: {_ENV}={raw!r} must be a number of bytes (0 leaves the allocator alone)"
             ) from None
-        if threshold <= 0:
+        if threshold <= 0 or _user_threshold():
             return 0
         libc = _glibc()
         if libc is None:
@@ -67,11 +68,18 @@ def settle_host_allocator() -> int:
         return threshold
 
 
+def _user_threshold() -> bool:
+    """Whether the user set glibc's threshold at start (their choice stands)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in tunables
+
+
 def _glibc():
     """This process's C library if it is glibc's malloc (not a preloaded other allocator)."""
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only
+        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl, macOS)
+            return None
         malloc = ctypes.cast(libc.malloc, ctypes.c_void_p).value
         own = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         if malloc != ctypes.cast(own.malloc, ctypes.c_void_p).value:
