@@ -252,14 +252,17 @@ def _batch(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, seq), generator=gen)
 
 
+def _unmeasured(name: str, settle: bool = True):
+    return contextlib.nullcontext()
+
+
 def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict, backward=None):
     """The first step (it compiles) and the others as two phases; returns the step function
     and the losses list it appends to. ``backward(loss)``: instead of ``loss.backward()``
     (DeepSpeed's engine)."""
     losses = []
 
-    def step(i, phase=None):
-        phase = phase or (lambda name, settle=True: contextlib.nullcontext())
+    def step(i, phase=_unmeasured):
         ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
         with phase("first step: forward (compiles)"):
             loss = step_model(input_ids=ids, labels=ids).loss

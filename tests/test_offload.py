@@ -595,6 +595,12 @@ print(json.dumps({"rise": status("VmHWM") - before, "pieces": off.pieces_stepped
 """
 
 
+def _allocator_env(**settings: str) -> dict[str, str]:
+    """This environment without the user's own glibc threshold settings, plus ``settings``."""
+    glibc_own = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+    return {k: v for k, v in os.environ.items() if k not in glibc_own} | settings
+
+
 def test_the_first_offloaded_step_gives_freed_host_memory_back():
     """The first step creates each piece's optimizer state (two 19 MiB tensors that live until
     the piece is written) between small tensors that live on. Under glibc's moving mmap
@@ -607,7 +613,7 @@ def test_the_first_offloaded_step_gives_freed_host_memory_back():
     import sys
 
     def run(threshold):
-        env = {**os.environ, "ZERO3_MMAP_THRESHOLD": threshold}
+        env = _allocator_env(ZERO3_MMAP_THRESHOLD=threshold)
         out = subprocess.run(
             [sys.executable, "-c", _FIRST_STEP], capture_output=True, text=True, env=env,
             timeout=300,
@@ -641,9 +647,9 @@ def test_a_threshold_the_user_gave_glibc_stands():
         ("ours", {"ZERO3_MMAP_THRESHOLD": str(2**20)}),
         ("off", {"ZERO3_MMAP_THRESHOLD": "0"}),
     ):
-        glibc_own = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
-        env = {k: v for k, v in os.environ.items() if k not in glibc_own} | env
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=_allocator_env(**env)
+        )
         assert out.returncode == 0, out.stderr
         settled[name] = int(out.stdout.split()[-1])
     assert settled == {

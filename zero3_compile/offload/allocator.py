@@ -40,32 +40,32 @@ def settle_host_allocator() -> int:
     or 0 where the allocator was left alone. Idempotent."""
     global _settled
     with _lock:
-        if _settled is not None:
-            return _settled
-        _settled = 0
-        raw = os.environ.get(_ENV, "").strip()
-        try:
-            threshold = int(raw) if raw else MMAP_THRESHOLD
-        except ValueError:
-            raise ValueError(
-                f"zero3: {_ENV}={raw!r} must be a number of bytes (0 leaves the allocator alone)"
-            ) from None
-        if threshold <= 0 or _user_threshold():
-            return 0
-        libc = _glibc()
-        if libc is None:
-            return 0
-        if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
-            log.info("zero3: mallopt(M_MMAP_THRESHOLD, %d) refused; allocator unchanged", threshold)
-            return 0
-        log.info(
-            "zero3: glibc mmap threshold fixed at %d bytes (host memory of freed large tensors "
-            "goes back to the system; %s=0 leaves it alone)",
-            threshold,
-            _ENV,
-        )
-        _settled = threshold
-        return threshold
+        if _settled is None:  # a bad ZERO3_MMAP_THRESHOLD raises here, at every store
+            _settled = _settle()
+        return _settled
+
+
+def _settle() -> int:
+    raw = os.environ.get(_ENV, "").strip()
+    try:
+        threshold = int(raw) if raw else MMAP_THRESHOLD
+    except ValueError:
+        raise ValueError(
+            f"zero3: {_ENV}={raw!r} must be a number of bytes (0 leaves the allocator alone)"
+        ) from None
+    libc = None if threshold <= 0 or _user_threshold() else _glibc()
+    if libc is None:
+        return 0
+    if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
+        log.info("zero3: mallopt(M_MMAP_THRESHOLD, %d) refused; allocator unchanged", threshold)
+        return 0
+    log.info(
+        "zero3: glibc mmap threshold fixed at %d bytes (host memory of freed large tensors "
+        "goes back to the system; %s=0 leaves it alone)",
+        threshold,
+        _ENV,
+    )
+    return threshold
 
 
 def _user_threshold() -> bool:
