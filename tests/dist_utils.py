@@ -17,9 +17,31 @@ from collections.abc import Callable
 from typing import Any
 
 # What every rank imports, loaded once into a fork server the ranks are forked from: spawning
-# each rank afresh paid ~3 s of imports per rank, per test (a third of the suite's time on 2 cores).
-# The server loads nothing else, so each rank still starts with empty compile caches.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.config", "zero3_compile"]
+# each rank afresh paid ~3 s of imports per rank, per test (a third of the suite's time on 2 cores),
+# and a rank's first compile another 0.7 s (AOTAutograd, the partitioner and networkx, Inductor's
+# lowerings, which the eager codegen imports too). Modules only: each rank still starts with
+# empty compile caches.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch._dynamo.backends.common",
+    "torch._dynamo.repro.after_dynamo",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "torch._inductor.config",
+    "torch._inductor.compile_fx",
+    "torch._inductor.lowering",
+    "torch._inductor.pattern_matcher",
+    "torch._inductor.fx_passes.joint_graph",
+    "torch._inductor.codegen.cpp",
+    "torch.export._trace",
+    "torch.utils.cpp_extension",
+    "networkx",
+    "sympy",
+    "zero3_compile",
+]
 # read by torch at import time, so set in the fork server's environment (and again in each rank)
 RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 

@@ -58,10 +58,28 @@ def _estimate_and_measure(rank, world_size, dump_dir):
         elif event.name == "_c10d_functional::all_reduce_":  # gloo's reductions (compat.py)
             measured_comm["reduce_scatter"] += torch.Size(event.input_shapes[0]).numel() * 4
 
-    # explain() on a compiled module: compiles fresh graphs, leaves gradients alone
+    # explain() on a compiled module not compiled before: compiles through its own backend (the
+    # training then compiles nothing), leaves gradients alone; the gradients are eager's
     small = z3.shard(GPT(GPTConfig(n_layer=3, tie_embeddings=False)))
     compiled = torch.compile(small, backend="zero3", options={"codegen": "eager"})
-    report = z3.explain(compiled, gpt_batch(2)[0])
+    x = gpt_batch(2)[0]
+    report = z3.explain(compiled, x)
+    grads_untouched = all(p.grad is None for p in small.parameters())
+    with record_graphs() as after_explain:
+        compiled(x).sum().backward()
+    trained = [p.grad.full_tensor() for p in small.parameters()]
+    for p in small.parameters():
+        p.grad = None
+    small(x).sum().backward()  # eager
+    eager_error = max(
+        (a - p.grad.full_tensor()).abs().max().item() for a, p in zip(trained, small.parameters())
+    )
+    for p in small.parameters():
+        p.grad = None
+    # compiled before: explain compiles its own graphs and leaves the model's cache alone
+    again = z3.explain(compiled, x)
+    with record_graphs() as after_again:
+        compiled(x).sum().backward()
 
     # under a dispatch mode dynamo runs the model eagerly: explain says so, not an empty report
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -80,7 +98,10 @@ def _estimate_and_measure(rank, world_size, dump_dir):
         "nothing_compiled": nothing_compiled,
         "text": str(report),
         "dict": report.to_dict(),
-        "grads_untouched": all(p.grad is None for p in small.parameters()),
+        "grads_untouched": grads_untouched,
+        "compiled_after_explain": len(after_explain) + len(after_again),
+        "graphs_explained": [len(report.graphs), len(again.graphs)],
+        "eager_error": eager_error,
         "estimated_peak": estimate.estimated_step_peak_bytes,
         "measured_peak": peak,
         "measured_peaks": peaks,
@@ -112,6 +133,13 @@ def test_explain_refuses_to_report_when_nothing_was_compiled(run):
     for r in run[1]:
         assert "explain compiled no graph" in r["nothing_compiled"], r["nothing_compiled"]
         assert "TorchDispatchMode" in r["nothing_compiled"]
+
+
+def test_training_after_explain_runs_the_graphs_explain_compiled(run):
+    for r in run[1]:
+        assert r["graphs_explained"] == [2, 2]  # forward and backward, both times
+        assert r["compiled_after_explain"] == 0
+        assert r["eager_error"] <= 1e-5
 
 
 def test_explain_reports_gathers_buckets_releases_and_saved_tensors(run):

@@ -80,8 +80,13 @@ def zero3_backend(
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)
     _warn_at_recompile_limit(gm)
+    roots = _runtimes(gm, example_inputs)
+    for root in roots:
+        root.graphs_compiled += 1
     if opts.sync_timeout_s is None:  # the model's own (shard(sync_timeout_s=...)), in the graphs
-        opts = dataclasses.replace(opts, sync_timeout_s=_model_timeout(gm, example_inputs))
+        # the longest, if several models with different ones share a graph
+        timeout = max((r.timeout_s for r in roots), default=DEFAULT_TIMEOUT_S)
+        opts = dataclasses.replace(opts, sync_timeout_s=timeout)
     recording.compiling()
     ctx = CompileContext(opts, recorders=recording.listening())
     with _timed("dynamo graph passes"):
@@ -168,11 +173,10 @@ def _warn_at_recompile_limit(gm: fx.GraphModule) -> None:
     )
 
 
-def _model_timeout(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> float:
-    """The cross-rank check's timeout of the models whose parameters the graph reads (the
-    longest, if several models with different ones share a graph)."""
-    timeouts = {s.root.timeout_s for s in _sharded_states(gm, example_inputs) if s.root is not None}
-    return max(timeouts, default=DEFAULT_TIMEOUT_S)
+def _runtimes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list:
+    """The runtimes of the sharded models whose parameters the graph reads."""
+    roots = {id(s.root): s.root for s in _sharded_states(gm, example_inputs) if s.root is not None}
+    return list(roots.values())
 
 
 def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

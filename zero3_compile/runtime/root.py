@@ -48,6 +48,9 @@ class Zero3Runtime:
         self.leaves: list[weakref.ref] = []  # leaf modules (set_leaf_modules)
         self.pending_loads: list = []  # offloaded shards loaded by a running load_state_dict
         self.timeout_s = float(timeout_s)
+        # graphs a zero3 backend compiled reading this model's parameters (explain compiles
+        # through the model's own backend only while it is 0: see tools/inspect/explain.py)
+        self.graphs_compiled = 0
         channel = open_channel(dp.group_names, dp.ranks, dp.shard_group, self.timeout_s)
         self.guard = Guard(channel, self.timeout_s) if channel is not None else None
         self._enter = _Active(self)

@@ -93,9 +93,16 @@ def explain(
     """Compile ``model`` on the example inputs and return a report of every graph; no training.
 
     ``model`` is a sharded module, ``torch.compile(model, backend="zero3", options=...)`` (whose
-    options are reused unless ``options`` is given), or a function (compiled or not) that runs one. One forward runs, and a backward of
-    ``loss_fn(output)`` (default: the sum of the floating-point outputs) when the output requires
-    grad; the parameters' gradients are restored afterwards. Every rank must call it.
+    options are reused unless ``options`` is given), or a function (compiled or not) that runs
+    one. One forward runs, and a backward of ``loss_fn(output)`` (default: the sum of the
+    floating-point outputs) when the output requires grad; the parameters' gradients are restored
+    afterwards. Every rank must call it.
+
+    A compiled module or function whose model no zero3 backend has compiled yet is compiled
+    through its own backend (with ``options`` not given): the training that follows runs the
+    graphs reported here and compiles nothing more for these input shapes (other shapes
+    recompile, as they would after any first step). Otherwise the graphs are compiled afresh
+    beside the model's own, which they leave alone.
 
     With ``gradient_quantization`` the step runs a second time (the same RNG state and buffers),
     compiled with exact reductions, and each quantized bucket reports its gradients' error
@@ -105,12 +112,16 @@ def explain(
     from ...compiler.backend import zero3_backend
 
     base = getattr(model, "_orig_mod", None) or getattr(model, "_torchdynamo_orig_callable", model)
-    if options is None:
-        options = _options_of(model)
-    # a new backend object: dynamo compiles fresh graphs instead of reusing the model's cache
-    backend = functools.partial(zero3_backend, options=options)
-    compiled = torch.compile(base, backend=backend)
     grads = {p: p.grad for p in _sharded_parameters_of(base)}
+    if options is None and _zero3_wrapper(model) is not None and not _ever_compiled(list(grads)):
+        # its own backend: the graphs compiled here are the ones the training runs next
+        compiled = model
+        options = _options_of(model)
+    else:
+        options = _options_of(model) if options is None else options
+        # a new backend object: dynamo compiles fresh graphs instead of reusing the model's cache
+        backend = functools.partial(zero3_backend, options=options)
+        compiled = torch.compile(base, backend=backend)
     opts = Options.from_dict(options)
     exact = None
     try:
@@ -288,7 +299,17 @@ def _sum_floating(output) -> torch.Tensor | None:
 
 def _options_of(model) -> dict[str, Any] | None:
     """The ``options`` a ``torch.compile(..., backend="zero3", options=...)`` module or function
-    was given (dynamo wraps the backend a few times; the innermost wrapper keeps the kwargs)."""
+    was given."""
+    kwargs = getattr(_zero3_wrapper(model), "kwargs", None)
+    if isinstance(kwargs, dict) and "options" in kwargs:
+        return dict(kwargs["options"])
+    return None
+
+
+def _zero3_wrapper(model):
+    """The backend object of a module or function ``torch.compile(..., backend="zero3")`` made
+    (dynamo wraps it a few times; the innermost wrapper names the backend and keeps the kwargs),
+    or None."""
     import inspect
 
     callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
@@ -298,12 +319,21 @@ def _options_of(model) -> dict[str, Any] | None:
         except TypeError:
             callback = None
     for _ in range(8):
-        kwargs = getattr(callback, "kwargs", None)
-        if isinstance(kwargs, dict) and "options" in kwargs:
-            return dict(kwargs["options"])
+        if getattr(callback, "compiler_name", None) in ("zero3", "zero3_backend"):
+            return callback
         callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
             callback, "_torchdynamo_orig_callable", None
         )
         if callback is None:
             return None
     return None
+
+
+def _ever_compiled(params: list[torch.Tensor]) -> bool:
+    """Whether a zero3 backend compiled a graph reading these parameters' models before (or they
+    are none we know of): the compiled module's dynamo cache may then hold graphs for other
+    inputs or options, and ``explain`` compiles its own to report all of them."""
+    from ...sharding.state import state_of
+
+    roots = [s.root for s in (state_of(p) for p in params) if s is not None]
+    return not roots or any(root is None or root.graphs_compiled > 0 for root in roots)
