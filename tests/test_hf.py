@@ -126,6 +126,107 @@ def test_from_pretrained_with_offload_puts_shards_in_the_store():
         assert out["offload load"] == 0.0
 
 
+def _left_in_the_file(rank, world, root):
+    """A bf16 checkpoint loaded into fp32 shards on disk leaves them in the file: nothing
+    written at load, the same training as shards written at load, bit for bit; the file may be
+    saved over through save_pretrained; a file rewritten in place is refused."""
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+    from zero3_compile.offload import params as offload_params
+
+    from .hf_models import config
+
+    auto = transformers.AutoModelForCausalLM
+    path = os.path.join(root, "bf16")
+    if rank == 0:
+        torch.manual_seed(0)
+        bf16 = auto.from_config(config("llama")).to(torch.bfloat16)
+        bf16.save_pretrained(path, max_shard_size="20KB")
+    dist.barrier()
+    plain = auto.from_pretrained(path, dtype=torch.float32).state_dict()
+
+    def load(leave_in_file: bool, where: str):
+        original = offload_params.take_origin
+        if not leave_in_file:  # as before: every shard written to the store at load
+            offload_params.take_origin = lambda values: None
+        try:
+            offload = z3.Offload(params="disk", path=os.path.join(root, where, str(rank)))
+            return z3hf.from_pretrained(auto, path, dtype=torch.float32, offload=offload)
+        finally:
+            offload_params.take_origin = original
+
+    def regions(model):
+        return [s.offload.region for _, s in model.sharded_parameters()]
+
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, leave in (("file", True), ("store", False)):
+        model = load(leave, name)
+        store = next(model.sharded_parameters())[1].offload.store
+        out[f"{name} written at load"] = store.bytes_written
+        out[f"{name} in file"] = [r.source is not None for r in regions(model)]
+        out[f"{name} load"] = _max_diff(z3.full_state_dict(model), plain)
+        opt = z3.offload_optimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            path=os.path.join(root, name, f"opt{rank}"),
+        )
+        step = torch.compile(model, backend="zero3", options={"codegen": "eager"})
+        losses = []
+        for _ in range(2):
+            loss = step(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[f"{name} losses"] = losses
+        out[f"{name} params"] = z3.full_state_dict(model)
+        out[f"{name} in file after a step"] = any(r.source is not None for r in regions(model))
+    # saved into the folder it reads from, before any step: our writer replaces the files
+    model = load(True, "saved")
+    z3hf.save_pretrained(model, path, max_shard_size="20KB")
+    dist.barrier()
+    out["saved over"] = _max_diff(auto.from_pretrained(path).state_dict(), plain)
+    out["read after saving over"] = _max_diff(z3.full_state_dict(model), plain)
+    # rewritten in place (a writer that opens the file for writing, not a new file): refused
+    model = load(True, "rewritten")
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                with open(os.path.join(path, name), "r+b") as f:
+                    f.seek(-4, os.SEEK_END)
+                    f.write(b"\0\0\0\0")
+    dist.barrier()
+    try:
+        z3.full_state_dict(model)
+        out["rewritten"] = "no error"
+    except z3.OffloadError as error:
+        out["rewritten"] = str(error)
+    return out
+
+
+def test_shards_loaded_from_a_checkpoint_stay_in_it_until_the_first_step():
+    root = tempfile.mkdtemp(prefix="zero3-hf-file-", dir=folder())
+    try:
+        results = run_ranks(_left_in_the_file, 2, root, timeout=600)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for out in results:
+        assert out["file written at load"] == 0  # nothing written: the rows stay in the file
+        assert all(out["file in file"])
+        assert out["store written at load"] > 0 and not any(out["store in file"])
+        assert out["file load"] == 0.0 and out["store load"] == 0.0
+        # the bf16 rows read and cast on every reload train exactly as the fp32 ones written
+        assert out["file losses"] == out["store losses"]
+        assert _max_diff(out["file params"], out["store params"]) == 0.0
+        assert not out["file in file after a step"]  # the step's new version replaced them
+        assert out["saved over"] == 0.0 and out["read after saving over"] == 0.0
+        assert "changed after it was loaded" in out["rewritten"], out["rewritten"]
+        assert "new file or folder" in out["rewritten"]
+
+
 def _bad_checkpoints(rank, world, path, scratch):
     import transformers
 

@@ -50,7 +50,9 @@ def _slices(path):
     entries, start = header(path)
     fd = os.open(path, os.O_RDONLY)
     handle = safe_open(path, framework="pt", device="cpu")
-    ours = {k: RowSlice(fd, entries[k], start, lambda k=k: handle.get_slice(k)) for k in TENSORS}
+    ours = {
+        k: RowSlice(path, fd, entries[k], start, lambda k=k: handle.get_slice(k)) for k in TENSORS
+    }
     return ours, handle, fd
 
 

@@ -710,6 +710,61 @@ def test_offload_files_are_unlinked_while_open(tmp_path):
     private.close()
 
 
+@pytest.mark.parametrize("slots", [2, 1])
+def test_a_region_left_in_a_file_reads_its_rows_cast_until_a_new_version_is_committed(
+    tmp_path, slots
+):
+    from zero3_compile.offload.deferred import StoredTensor
+    from zero3_compile.offload.store import DiskStore, FileRows, OffloadError
+
+    values = torch.randn(3 * 4096, dtype=torch.float32).to(torch.bfloat16)
+    path = str(tmp_path / "checkpoint.bin")
+    with open(path, "wb") as f:
+        f.write(b"header!")  # rows at an unaligned offset, as in a safetensors file
+        f.write(values.view(torch.uint8).numpy().tobytes())
+    store = DiskStore(str(tmp_path), "params", 0, double_buffer=slots == 2)
+    region = store.allocate(values.numel() * 4)
+    identity = store_module._identity(os.stat(path))
+    file = store.source_file(path, identity)
+    store.leave_in_file(region, FileRows(file, 7, torch.bfloat16, torch.float32))
+    assert store.bytes_written == 0
+    whole = torch.empty(values.numel())
+    store.read(region, whole)
+    assert torch.equal(whole, values.float())
+    part = torch.empty(4096)
+    store.read_part(region, part, 4096 * 4)  # the second 4096 elements
+    assert torch.equal(part, values[4096:8192].float())
+    later = torch.empty(values.numel())
+    store.read_async(region, later).result()
+    assert torch.equal(later, values.float())
+    handed_out = StoredTensor(store, region, (values.numel(),), torch.float32, "cpu")
+    # a version written and discarded: the file's rows are still the values (one slot too)
+    store.write(region, torch.zeros(values.numel()))
+    region.discard()
+    assert not region.lost and region.source is not None
+    store.read(region, whole)
+    assert torch.equal(whole, values.float())
+    # a committed version replaces them: the file is not read again
+    store.write(region, torch.full((values.numel(),), 2.0))
+    region.commit()
+    assert region.source is None
+    store.read(region, whole)
+    assert torch.equal(whole, torch.full((values.numel(),), 2.0))
+    # rewritten in place: what was handed out before refuses to read it, naming the fix
+    with open(path, "r+b") as f:
+        f.seek(7)
+        f.write(b"\0\0")
+    with pytest.raises(OffloadError, match="changed after it was loaded"):
+        handed_out.materialize()
+    # a file at that path that is not the one read is not used
+    os.replace(path, path + ".old")
+    with open(path, "wb") as f:
+        f.write(b"header!" + values.view(torch.uint8).numpy().tobytes())
+    assert store.source_file(path, identity) is file  # the descriptor it holds
+    assert store.source_file(path, store_module._identity(os.stat(path + ".old"))) is None
+    store.close()
+
+
 # --------------------------------------------------------- a few hundred MB, resumed in new processes
 
 WIDE_STEPS = 2

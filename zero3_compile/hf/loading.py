@@ -15,6 +15,11 @@ report); two of its steps are wrapped for the duration of the call:
   single-process ``from_pretrained`` seeded like rank 0, and the same on every rank. Buffers
   (rotary tables) are initialised by the model as usual.
 
+With parameters offloaded to disk, a shard whose values are exactly its rows of a file (cast to
+its dtype) is not written to the store: it reads them from the checkpoint until the first
+optimizer step writes its new version (``offload/origins.py``, ``store.FileRows``); the load then
+writes nothing, and the first forward reads the checkpoint's (bf16) bytes, not fp32 ones.
+
 Failures on one rank (a damaged file read only by its rows, a shape mismatch of its rows) are
 raised on every rank (``agreement.py``), and the model is never returned half loaded: a shard or
 buffer still on ``meta`` at the end is an error naming it.
@@ -36,6 +41,7 @@ import torch.nn as nn
 
 from ..frontend.loading import adopt, loading, sharded_states
 from ..frontend.shard import shard
+from ..offload import origins
 from ..offload.params import deferred_writes
 from ..runtime.guard import DEFAULT_TIMEOUT_S
 from ..sharding.state import module_state
@@ -196,6 +202,8 @@ def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
     states = load.loading.enter_context(loading(model))
     try:
         with contextlib.ExitStack() as files, deferred_writes(states):
+            if _offloaded_to_disk(states):  # shards read from the files stay in them
+                files.enter_context(origins.tracking())
             if state_dict is None:
                 state_dict = _pread_slices(checkpoint_files, files)
             result = read(state_dict)
@@ -206,6 +214,12 @@ def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
         raise
     load.agreement.meet("reading its rows of the checkpoint")
     return result
+
+
+def _offloaded_to_disk(states) -> bool:
+    from ..offload.store import DiskStore
+
+    return any(isinstance(getattr(s.root, "offload_store", None), DiskStore) for s in states)
 
 
 def _pread_slices(checkpoint_files, files: contextlib.ExitStack) -> dict | None:
@@ -231,7 +245,7 @@ def _pread_slices(checkpoint_files, files: contextlib.ExitStack) -> dict | None:
         files.callback(os.close, fd)
         for key in handle.keys():
             fallback = functools.partial(handle.get_slice, key)
-            merged[key] = RowSlice(fd, entries[key], data_start, fallback)
+            merged[key] = RowSlice(str(path), fd, entries[key], data_start, fallback)
     return merged
 
 

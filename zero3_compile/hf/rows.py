@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..offload import origins
+
 CHUNK = 64 << 20  # bytes per preadv call
 
 _DTYPES = {
@@ -48,7 +50,10 @@ def header(path: str) -> tuple[dict[str, Any], int]:
 class RowSlice:
     """``get_slice`` of one tensor: whole-row indices read directly, others by ``fallback()``."""
 
-    def __init__(self, fd: int, entry: dict, data_start: int, fallback: Callable[[], Any]):
+    def __init__(
+        self, path: str, fd: int, entry: dict, data_start: int, fallback: Callable[[], Any]
+    ):
+        self.path = path
         self.fd = fd
         self.dtype_name = entry["dtype"]
         self.shape = list(entry["shape"])
@@ -71,6 +76,8 @@ class RowSlice:
         out = torch.empty(shape, dtype=dtype)
         row_bytes = math.prod(self.shape[1:]) * dtype.itemsize
         self._read(out, self.start + first * row_bytes)
+        # an offloaded shard adopting these values leaves them in the file (offload/origins.py)
+        origins.record(out, self.path, self.fd, self.start + first * row_bytes)
         return out
 
     def _rows(self, index) -> tuple[int, int] | None:

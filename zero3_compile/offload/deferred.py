@@ -67,7 +67,7 @@ class StoredTensor(torch.Tensor):
         self = wrapper_tensor(cls, shape, dtype, device)
         self._store = store
         offset = region.read_offset
-        snapshot = Region((offset, offset), region.nbytes)
+        snapshot = Region((offset, offset), region.nbytes, source=region.source)
         if hasattr(region, "buffers"):  # host memory: the current buffer
             snapshot.buffers = [region.buffers[region.current]]  # type: ignore[attr-defined]
         self._region = snapshot

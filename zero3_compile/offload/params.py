@@ -12,6 +12,10 @@ without a reload shows). It comes back:
 - for the optimizer step, ``state_dict()`` / ``load_state_dict()`` and checkpoints: loaded into
   the parameter itself (``loaded``), and written back (as a new version, committed once every
   write succeeded) and evicted again when the values changed.
+
+A shard a loader read from a checkpoint's rows (``origins.py``) is not written when it is
+registered: its region reads those rows from the file until the first new version replaces them
+(``store.FileRows``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..compat import storage_key
-from .store import DiskStore, HostStore, OffloadError, Region
+from .origins import take_origin
+from .store import DiskStore, FileRows, HostStore, OffloadError, Region
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +136,9 @@ def register(state, store: DiskStore | HostStore, poison: bool) -> None:
         store.write_current(record.region, local.contiguous())
         _evict(state)
         return
+    if _leave_in_file(store, record.region, local):
+        _evict(state)
+        return
     data = local.contiguous()
     pending.append((store.write_current_async(record.region, data), state, data))
     _settle(pending, keep=1)
@@ -172,6 +180,21 @@ def deferred_writes(states: Iterable) -> Iterator[None]:
             _deferred.pop(id(store), None)
     for pending in lists:
         _settle(pending, keep=0)
+
+
+def _leave_in_file(store, region: Region, local: torch.Tensor) -> bool:
+    """Whether the loader read ``local`` from a checkpoint file's rows (``origins.py``): then
+    the region reads them from there until the first step writes a new version."""
+    if not isinstance(store, DiskStore):
+        return False
+    origin = take_origin(local)
+    if origin is None:
+        return False
+    file = store.source_file(origin.path, origin.identity)
+    if file is None:  # the file at that path was replaced since it was read
+        return False
+    store.leave_in_file(region, FileRows(file, origin.offset, origin.dtype, local.dtype))
+    return True
 
 
 def _settle(pending: list, keep: int, raising: bool = True) -> None:

@@ -39,6 +39,82 @@ class OffloadError(OSError):
     """An offload store could not be created, written or read (names the path and the bytes)."""
 
 
+class SourceFile:
+    """A file some regions' committed values still are the bytes of (the checkpoint a loader read
+    them from; see ``FileRows``): opened once, its identity (inode, size, modification time)
+    checked before every read. The descriptor stays open until the store closes (a state dict
+    handed out before a step may still read it after), so a checkpoint replaced meanwhile keeps
+    its disk space until then."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.identity = _identity(os.fstat(self.fd))
+
+    def check(self) -> None:
+        if self.fd < 0:
+            raise OffloadError(
+                errno.EBADF, f"zero3: the offload store reading {self.path!r} was closed"
+            )
+        if _identity(os.fstat(self.fd)) != self.identity:
+            raise OffloadError(
+                errno.ESTALE,
+                f"zero3: the checkpoint file {self.path!r} changed after it was loaded, before "
+                "the first optimizer step replaced the values read from it (offloaded shards "
+                "read them from the file until then); write checkpoints to a new file or folder "
+                "(save_pretrained replaces files, so saving into the same folder is safe), or "
+                "take a step first",
+            )
+
+
+def _identity(stat: os.stat_result) -> tuple:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """A region's committed values that are still a file's bytes: elements of ``dtype`` at byte
+    ``offset`` of ``file``, cast to the region's ``stored`` dtype on every read. A loader that
+    read a shard's rows from a checkpoint leaves them there instead of writing them to the store
+    (half the bytes, in bf16, and no write); the first new version of the region replaces them
+    (``Region.commit``)."""
+
+    file: SourceFile
+    offset: int
+    dtype: torch.dtype
+    stored: torch.dtype
+
+    def read_into(self, out: torch.Tensor, start: int) -> int:
+        """``out``'s bytes: the region's from byte ``start``; returns the bytes read from the
+        file."""
+        self.file.check()
+        values = out.reshape(-1).view(torch.uint8).view(self.stored)
+        first = start // self.stored.itemsize
+        step = _SOURCE_CHUNK // self.dtype.itemsize
+        for i in range(0, values.numel(), step):
+            part = values[i : i + step]
+            same = self.dtype == self.stored
+            raw = part if same else torch.empty(part.numel(), dtype=self.dtype)
+            view = _memory(raw)
+            offset = self.offset + (first + i) * self.dtype.itemsize
+            done = 0
+            while done < len(view):
+                n = os.preadv(self.file.fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OffloadError(
+                        errno.EIO,
+                        f"zero3: the checkpoint file {self.file.path!r} ended {len(view) - done} "
+                        "bytes early",
+                    )
+                done += n
+            if not same:
+                part.copy_(raw)
+        return (values.numel()) * self.dtype.itemsize
+
+
+_SOURCE_CHUNK = 16 << 20  # bytes of the file per read (and per cast temporary)
+
+
 @dataclass
 class Region:
     """Two slots of ``nbytes`` in a store's file; ``current`` holds the committed values.
@@ -46,6 +122,9 @@ class Region:
     A single-slot region (a store with ``double_buffer=False``: half the disk) is rewritten in
     place: discarding a write then cannot bring the previous values back, so the region is
     marked lost and every later read raises ``OffloadError``.
+
+    ``source``: the committed values are still a checkpoint file's rows (``FileRows``), read
+    from there until a new version is committed or the current slot is written.
     """
 
     offsets: tuple[int, int]
@@ -53,6 +132,7 @@ class Region:
     current: int = 0
     pending: int | None = None  # the slot written since the last commit
     lost: bool = False
+    source: FileRows | None = None
 
     @property
     def read_offset(self) -> int:
@@ -70,10 +150,12 @@ class Region:
         """The pending slot becomes the current one (after a step that changed the values)."""
         if self.pending is not None:
             self.current, self.pending = self.pending, None
+            self.source = None
 
     def discard(self) -> None:
         """Forget the pending slot: the current one still holds the previous values."""
-        if self.pending is not None and self.offsets[0] == self.offsets[1]:
+        one_slot = self.offsets[0] == self.offsets[1]
+        if self.pending is not None and one_slot and self.source is None:
             self.lost = True  # one slot: the write went over the current values
         self.pending = None
 
@@ -159,6 +241,7 @@ class DiskStore:
         self.bytes_written = 0
         self.io_seconds = 0.0  # time the I/O threads spent reading and writing
         self.wait_seconds = 0.0  # time training waited for them (I/O not hidden by compute)
+        self.sources: dict[tuple, SourceFile] = {}  # checkpoint files regions read from
 
     def count_wait(self, seconds: float) -> None:
         with self.lock:
@@ -218,18 +301,61 @@ class DiskStore:
     def write_current(self, region: Region, tensor: torch.Tensor) -> None:
         """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
         self._transfer(tensor, region.read_offset, region.nbytes, write=True)
+        region.source = None
 
     def write_current_async(self, region: Region, tensor: torch.Tensor) -> Future:
         """``write_current`` on the I/O threads (``tensor`` must stay alive and unchanged until
         the future is done)."""
-        return self.pool.submit(self._transfer, tensor, region.read_offset, region.nbytes, True)
+        return self.pool.submit(self.write_current, region, tensor)
+
+    def source_file(self, path: str, identity: tuple) -> SourceFile | None:
+        """The store's ``SourceFile`` of the file at ``path`` whose identity (``_identity``) a
+        loader read it with; None if the file at ``path`` is another one now."""
+        with self.lock:
+            file = self.sources.get(identity)
+            if file is None:
+                try:
+                    file = SourceFile(path)
+                except OSError:  # gone since it was read: the values are written instead
+                    return None
+                if file.identity != identity:
+                    os.close(file.fd)
+                    return None
+                self.sources[identity] = file
+            return file
+
+    def leave_in_file(self, region: Region, rows: FileRows) -> None:
+        """The region's current values are ``rows`` of a file (see ``FileRows``), not written."""
+        region.source = rows
 
     def read(self, region: Region, out: torch.Tensor) -> None:
-        self._transfer(out, region.read_offset, region.nbytes, write=False)
+        self._read_current(region.source, region.read_offset, out, 0, region.nbytes)
 
     def read_async(self, region: Region, out: torch.Tensor) -> Future:
-        offset = region.read_offset  # the committed slot at the time of the request
-        return self.pool.submit(self._transfer, out, offset, region.nbytes, False)
+        # the committed values at the time of the request
+        source, offset = region.source, region.read_offset
+        return self.pool.submit(self._read_current, source, offset, out, 0, region.nbytes)
+
+    def _read_current(
+        self, source: FileRows | None, offset: int, out: torch.Tensor, start: int, nbytes: int
+    ) -> None:
+        if source is None:
+            self._transfer(out, offset + start, nbytes, write=False)
+            return
+        if out.numel() * out.element_size() != nbytes or not out.is_contiguous():
+            raise OffloadError(
+                errno.EINVAL,
+                f"zero3: offload read of {nbytes} bytes from {source.file.path!r} got a tensor "
+                f"of {out.numel() * out.element_size()} bytes",
+            )
+        began = time.perf_counter()
+        try:
+            read = source.read_into(out, start)
+        finally:
+            with self.lock:
+                self.io_seconds += time.perf_counter() - began
+        with self.lock:
+            self.bytes_read += read
 
     def write_async(self, region: Region, tensor: torch.Tensor) -> Future:
         slot = 1 - region.current
@@ -239,7 +365,7 @@ class DiskStore:
     def read_part(self, region: Region, out: torch.Tensor, start: int) -> None:
         """Read ``out``'s bytes from byte ``start`` of the region's current slot."""
         nbytes = _part_bytes(region, out, start)
-        self._transfer(out, region.read_offset + start, nbytes, write=False)
+        self._read_current(region.source, region.read_offset, out, start, nbytes)
 
     def write_part(self, region: Region, tensor: torch.Tensor, start: int) -> None:
         """Write ``tensor`` at byte ``start`` of the region's free slot (the parts of one new
@@ -344,6 +470,10 @@ class DiskStore:
             os.close(self.fd)
         except OSError:
             pass
+        for file in self.sources.values():
+            if file.fd >= 0:
+                os.close(file.fd)
+                file.fd = -1
 
 
 def _part_bytes(region: Region, tensor: torch.Tensor, start: int) -> int:
