@@ -140,3 +140,50 @@ def test_deferred_writes_land_in_the_store_and_evict(fake_pg, tmp_path, monkeypa
         assert state.offload.evicted
         with offload_params.loaded([state], write_back=False):
             assert torch.equal(state.local(), values[state.fqn]), state.fqn
+
+
+def test_rows_cast_as_read_equal_the_loaders_cast_and_name_their_origin(checkpoint):
+    """Offloaded loads read floating rows straight into the model's dtype, and note where they
+    came from (``offload/origins.py``)."""
+    from zero3_compile.offload import origins
+
+    entries, start = header(checkpoint)
+    fd = os.open(checkpoint, os.O_RDONLY)
+    try:
+        with origins.tracking(torch.float32):
+            rows = RowSlice(checkpoint, fd, entries["half"], start, None, origins.target_dtype())
+            got = rows[slice(2, 9)]
+            assert got.dtype == torch.float32
+            assert torch.equal(got, TENSORS["half"][2:9].float())
+            origin = origins.take_origin(got)
+            assert origin.dtype == torch.bfloat16 and origin.path == checkpoint
+            assert origin.offset == start + entries["half"]["data_offsets"][0] + 2 * 12 * 2
+            assert origins.take_origin(got) is None  # each read is one shard's
+    finally:
+        os.close(fd)
+
+
+def test_an_origin_is_given_only_for_exactly_the_rows_cast():
+    """A loader that changed the values it read (a converter, a transpose) gets no origin: its
+    values are written to the store."""
+    from zero3_compile.offload import origins
+
+    read = torch.randn(64, 8).to(torch.bfloat16)
+    with origins.tracking():
+        for values, expected in [
+            (read.float(), True),  # the loader's own cast
+            (read, True),  # the tensor itself
+            (read.float() * 2, False),
+            (read.float().t().contiguous().t(), False),  # another layout of the same values
+            (torch.cat([read.float()[1:], read.float()[:1]]), False),
+        ]:
+            fd = os.open(__file__, os.O_RDONLY)
+            try:
+                origins.record(read, __file__, fd, 0, torch.bfloat16)
+            finally:
+                os.close(fd)
+            found = origins.take_origin(values)
+            assert (found is not None) == expected, values
+            while origins.take_origin(read) is not None:  # forget what is left
+                pass
+    assert origins.take_origin(read) is None  # outside tracking: nothing

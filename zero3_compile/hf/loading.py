@@ -203,7 +203,8 @@ def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
     try:
         with contextlib.ExitStack() as files, deferred_writes(states):
             if _offloaded_to_disk(states):  # shards read from the files stay in them
-                files.enter_context(origins.tracking())
+                dtypes = {s.local().dtype for s in states}
+                files.enter_context(origins.tracking(dtypes.pop() if len(dtypes) == 1 else None))
             if state_dict is None:
                 state_dict = _pread_slices(checkpoint_files, files)
             result = read(state_dict)
@@ -245,7 +246,9 @@ def _pread_slices(checkpoint_files, files: contextlib.ExitStack) -> dict | None:
         files.callback(os.close, fd)
         for key in handle.keys():
             fallback = functools.partial(handle.get_slice, key)
-            merged[key] = RowSlice(str(path), fd, entries[key], data_start, fallback)
+            merged[key] = RowSlice(
+                str(path), fd, entries[key], data_start, fallback, origins.target_dtype()
+            )
     return merged
 
 

@@ -22,6 +22,7 @@ import torch
 from ..offload import origins
 
 CHUNK = 64 << 20  # bytes per preadv call
+CAST_CHUNK = 16 << 20  # bytes read per cast into the model's dtype
 
 _DTYPES = {
     "F64": torch.float64,
@@ -51,10 +52,17 @@ class RowSlice:
     """``get_slice`` of one tensor: whole-row indices read directly, others by ``fallback()``."""
 
     def __init__(
-        self, path: str, fd: int, entry: dict, data_start: int, fallback: Callable[[], Any]
+        self,
+        path: str,
+        fd: int,
+        entry: dict,
+        data_start: int,
+        fallback: Callable[[], Any],
+        cast_to: torch.dtype | None = None,
     ):
         self.path = path
         self.fd = fd
+        self.cast_to = cast_to  # floating rows are returned in it (the model's dtype)
         self.dtype_name = entry["dtype"]
         self.shape = list(entry["shape"])
         self.start = data_start + entry["data_offsets"][0]
@@ -73,12 +81,35 @@ class RowSlice:
             return self.fallback()[index]
         first, last = rows
         shape = (last - first, *self.shape[1:]) if self.shape else ()
-        out = torch.empty(shape, dtype=dtype)
         row_bytes = math.prod(self.shape[1:]) * dtype.itemsize
-        self._read(out, self.start + first * row_bytes)
+        offset = self.start + first * row_bytes
+        cast = self.cast_to
+        if (
+            cast is not None
+            and cast != dtype
+            and dtype.is_floating_point
+            and cast.is_floating_point
+        ):
+            # cast as read, a chunk at a time: the loader's own cast would allocate the tensor
+            # again, and the offloaded shard can then take it as the file's rows unchecked
+            out = torch.empty(shape, dtype=cast)
+            self._read_cast(out, offset, dtype)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            self._read(out, offset)
         # an offloaded shard adopting these values leaves them in the file (offload/origins.py)
-        origins.record(out, self.path, self.fd, self.start + first * row_bytes)
+        origins.record(out, self.path, self.fd, offset, dtype)
         return out
+
+    def _read_cast(self, out: torch.Tensor, offset: int, dtype: torch.dtype) -> None:
+        values = out.view(-1)
+        step = CAST_CHUNK // dtype.itemsize
+        buffer = torch.empty(min(step, values.numel()), dtype=dtype)
+        for i in range(0, values.numel(), step):
+            part = values[i : i + step]
+            raw = buffer[: part.numel()]
+            self._read(raw, offset + i * dtype.itemsize)
+            part.copy_(raw)
 
     def _rows(self, index) -> tuple[int, int] | None:
         """(first, last) row of an index that takes whole rows in order; None otherwise."""

@@ -42,29 +42,36 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def tracking() -> Iterator[None]:
-    """Tensors ``record``ed in the block can be found by ``take_origin``."""
-    previous = getattr(_local, "recent", None)
-    _local.recent = deque(maxlen=_KEPT)
+def tracking(dtype: torch.dtype | None = None) -> Iterator[None]:
+    """Tensors ``record``ed in the block can be found by ``take_origin``. ``dtype``: the shards'
+    (where they all have one), which a reader may cast into as it reads (``target_dtype``)."""
+    previous = getattr(_local, "recent", None), getattr(_local, "dtype", None)
+    _local.recent, _local.dtype = deque(maxlen=_KEPT), dtype
     try:
         yield
     finally:
-        _local.recent = previous
+        _local.recent, _local.dtype = previous
 
 
 def tracked() -> bool:
     return getattr(_local, "recent", None) is not None
 
 
-def record(tensor: torch.Tensor, path: str, fd: int, offset: int) -> None:
-    """``tensor`` holds the bytes at ``offset`` of the file ``path`` (open as ``fd``)."""
+def record(tensor: torch.Tensor, path: str, fd: int, offset: int, dtype: torch.dtype) -> None:
+    """``tensor`` holds the elements of ``dtype`` at ``offset`` of the file ``path`` (open as
+    ``fd``), cast to its own dtype."""
     recent = getattr(_local, "recent", None)
     if recent is None:
         return
     from .store import _identity
 
-    origin = Origin(os.fspath(path), _identity(os.fstat(fd)), offset, tensor.dtype)
+    origin = Origin(os.fspath(path), _identity(os.fstat(fd)), offset, dtype)
     recent.append((tensor, origin))
+
+
+def target_dtype() -> torch.dtype | None:
+    """The dtype a tracking loader should cast what it reads into (``tracking(dtype)``)."""
+    return getattr(_local, "dtype", None) if tracked() else None
 
 
 def take_origin(values: torch.Tensor) -> Origin | None:
@@ -81,15 +88,19 @@ def take_origin(values: torch.Tensor) -> Origin | None:
 
 
 def _same(read: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether ``read`` cast to ``values``' dtype is ``values``, bit for bit."""
+    """Whether ``read`` cast to ``values``' dtype is ``values``, bit for bit (cast a chunk at a
+    time into one buffer: a fresh temporary per chunk is page-faulted in every time)."""
     if read.dtype == values.dtype and read.data_ptr() == values.data_ptr():
         return True
     bits = _BITS.get(values.element_size())
-    if bits is None or values.dtype in (torch.bool,) or values.is_complex():
+    if bits is None or values.dtype is torch.bool or values.is_complex():
         return False
     a, b = read.reshape(-1), values.reshape(-1)
+    buffer = torch.empty(min(_CHUNK, a.numel()), dtype=values.dtype)
     for i in range(0, a.numel(), _CHUNK):
-        cast = a[i : i + _CHUNK].to(values.dtype)
+        part = a[i : i + _CHUNK]
+        cast = buffer[: part.numel()]
+        cast.copy_(part)
         if not torch.equal(cast.view(bits), b[i : i + _CHUNK].view(bits)):
             return False
     return True
@@ -98,4 +109,4 @@ def _same(read: torch.Tensor, values: torch.Tensor) -> bool:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-__all__ = ["Origin", "record", "take_origin", "tracked", "tracking"]
+__all__ = ["Origin", "record", "take_origin", "target_dtype", "tracked", "tracking"]

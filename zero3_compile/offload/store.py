@@ -91,10 +91,11 @@ class FileRows:
         values = out.reshape(-1).view(torch.uint8).view(self.stored)
         first = start // self.stored.itemsize
         step = _SOURCE_CHUNK // self.dtype.itemsize
+        same = self.dtype == self.stored
         for i in range(0, values.numel(), step):
             part = values[i : i + step]
-            same = self.dtype == self.stored
-            raw = part if same else torch.empty(part.numel(), dtype=self.dtype)
+            raw = part if same else _cast_buffer()[: part.numel() * self.dtype.itemsize]
+            raw = raw if same else raw.view(self.dtype)
             view = _memory(raw)
             offset = self.offset + (first + i) * self.dtype.itemsize
             done = 0
@@ -112,7 +113,17 @@ class FileRows:
         return (values.numel()) * self.dtype.itemsize
 
 
-_SOURCE_CHUNK = 16 << 20  # bytes of the file per read (and per cast temporary)
+_SOURCE_CHUNK = 4 << 20  # bytes of the file per read (and per cast)
+_buffers = threading.local()
+
+
+def _cast_buffer() -> torch.Tensor:
+    """This thread's buffer for file bytes on their way to a cast (one allocation per thread:
+    a fresh 4 MiB tensor per read is a new mapping, page-faulted in each time)."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = torch.empty(_SOURCE_CHUNK, dtype=torch.uint8)
+    return buffer
 
 
 @dataclass
