@@ -3,16 +3,16 @@ from them is not written to its store.
 
 A Hugging Face load into disk-offloaded shards read each shard's rows from the checkpoint, cast
 them (bf16 to fp32) and wrote them to the store: at 3B on this machine 6.4 GB read and 12.9 GB
-written, and the writes made the load 4x slower than the reads alone. The first optimizer step
-writes a new version of every shard anyway, so until then the shard's values can stay where they
-are: the rows in the checkpoint (``store.FileRows``), read and cast by every reload.
+written in 34 s. The first optimizer step writes a new version of every shard anyway, so until
+then the shard's values can stay where they are: the rows in the checkpoint (``store.FileRows``),
+read and cast by every reload (with the rows cast as they are read, the 3B load takes 7.8 s).
 
 ``tracking()`` is entered by the loader around its reads; ``record`` notes each tensor it read
-from a file (its path, the file's identity, the byte offset, its dtype) and keeps the last few
-alive; ``take_origin(values)`` gives the rows a shard's values were read from, after checking that
-reading them again (and casting to the shard's dtype) gives exactly ``values``: anything the
-loader did in between (a key converter, a transpose, a concatenation) that changed them makes it
-write them as before.
+from a file (its path, the file's identity, the byte offset, the file's dtype) and keeps the
+last few alive; ``take_origin(values)`` gives the rows a shard's values were read from if
+``values`` is a recorded tensor, or one that cast to the shard's dtype equals bit for bit:
+anything the loader did in between (a key converter, a transpose, a concatenation) that changed
+them makes the shard be written as before.
 """
 
 from __future__ import annotations
