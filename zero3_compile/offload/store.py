@@ -86,44 +86,51 @@ class FileRows:
 
     def read_into(self, out: torch.Tensor, start: int) -> int:
         """``out``'s bytes: the region's from byte ``start``; returns the bytes read from the
-        file."""
+        file. Few torch calls per chunk: each one gives up the GIL and waits for it again,
+        which costs milliseconds while the training thread runs Python (an optimizer step)."""
         self.file.check()
         values = out.reshape(-1).view(torch.uint8).view(self.stored)
-        first = start // self.stored.itemsize
-        step = _SOURCE_CHUNK // self.dtype.itemsize
-        same = self.dtype == self.stored
+        offset = self.offset + start // self.stored.itemsize * self.dtype.itemsize
+        if self.dtype == self.stored:
+            self._pread(_memory(values), offset)
+            return values.numel() * self.dtype.itemsize
+        typed, raw = _cast_buffer(self.dtype)
+        step = typed.numel()
         for i in range(0, values.numel(), step):
-            part = values[i : i + step]
-            raw = part if same else _cast_buffer()[: part.numel() * self.dtype.itemsize]
-            raw = raw if same else raw.view(self.dtype)
-            view = _memory(raw)
-            offset = self.offset + (first + i) * self.dtype.itemsize
-            done = 0
-            while done < len(view):
-                n = os.preadv(self.file.fd, [view[done:]], offset + done)
-                if n <= 0:
-                    raise OffloadError(
-                        errno.EIO,
-                        f"zero3: the checkpoint file {self.file.path!r} ended {len(view) - done} "
-                        "bytes early",
-                    )
-                done += n
-            if not same:
-                part.copy_(raw)
-        return (values.numel()) * self.dtype.itemsize
+            count = min(step, values.numel() - i)
+            self._pread(raw[: count * self.dtype.itemsize], offset + i * self.dtype.itemsize)
+            values[i : i + count].copy_(typed[:count])
+        return values.numel() * self.dtype.itemsize
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.file.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OffloadError(
+                    errno.EIO,
+                    f"zero3: the checkpoint file {self.file.path!r} ended {len(view) - done} "
+                    "bytes early",
+                )
+            done += n
 
 
-_SOURCE_CHUNK = 4 << 20  # bytes of the file per read (and per cast)
+_SOURCE_CHUNK = 32 << 20  # bytes of the file per read and cast (one per optimizer piece)
 _buffers = threading.local()
 
 
-def _cast_buffer() -> torch.Tensor:
-    """This thread's buffer for file bytes on their way to a cast (one allocation per thread:
-    a fresh 4 MiB tensor per read is a new mapping, page-faulted in each time)."""
-    buffer = getattr(_buffers, "buffer", None)
-    if buffer is None:
-        buffer = _buffers.buffer = torch.empty(_SOURCE_CHUNK, dtype=torch.uint8)
-    return buffer
+def _cast_buffer(dtype: torch.dtype) -> tuple[torch.Tensor, memoryview]:
+    """This thread's buffer for file bytes on their way to a cast, as ``dtype`` and as bytes (one
+    allocation per thread: a fresh tensor per read is a new mapping, page-faulted in each
+    time)."""
+    cached = getattr(_buffers, "cached", None)
+    if cached is None:
+        buffer = torch.empty(_SOURCE_CHUNK, dtype=torch.uint8)
+        cached = _buffers.cached = (buffer, _memory(buffer), {})
+    buffer, raw, typed = cached
+    if dtype not in typed:
+        typed[dtype] = buffer.view(dtype)
+    return typed[dtype], raw
 
 
 @dataclass
