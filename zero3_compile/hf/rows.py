@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from ..offload import origins
+from ..offload.store import pread_cast
 
 CHUNK = 64 << 20  # bytes per preadv call
-CAST_CHUNK = 16 << 20  # bytes read per cast into the model's dtype
 
 _DTYPES = {
     "F64": torch.float64,
@@ -93,23 +93,13 @@ class RowSlice:
             # cast as read, a chunk at a time: the loader's own cast would allocate the tensor
             # again, and the offloaded shard can then take it as the file's rows unchecked
             out = torch.empty(shape, dtype=cast)
-            self._read_cast(out, offset, dtype)
+            pread_cast(self.fd, self.path, out.view(-1), offset, dtype)
         else:
             out = torch.empty(shape, dtype=dtype)
             self._read(out, offset)
         # an offloaded shard adopting these values leaves them in the file (offload/origins.py)
         origins.record(out, self.path, self.fd, offset, dtype)
         return out
-
-    def _read_cast(self, out: torch.Tensor, offset: int, dtype: torch.dtype) -> None:
-        values = out.view(-1)
-        step = CAST_CHUNK // dtype.itemsize
-        buffer = torch.empty(min(step, values.numel()), dtype=dtype)
-        for i in range(0, values.numel(), step):
-            part = values[i : i + step]
-            raw = buffer[: part.numel()]
-            self._read(raw, offset + i * dtype.itemsize)
-            part.copy_(raw)
 
     def _rows(self, index) -> tuple[int, int] | None:
         """(first, last) row of an index that takes whole rows in order; None otherwise."""

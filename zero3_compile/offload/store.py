@@ -92,27 +92,33 @@ class FileRows:
         values = out.reshape(-1).view(torch.uint8).view(self.stored)
         offset = self.offset + start // self.stored.itemsize * self.dtype.itemsize
         if self.dtype == self.stored:
-            self._pread(_memory(values), offset)
+            pread_all(self.file.fd, self.file.path, _memory(values), offset)
             return values.numel() * self.dtype.itemsize
-        typed, raw = _cast_buffer(self.dtype)
-        step = typed.numel()
-        for i in range(0, values.numel(), step):
-            count = min(step, values.numel() - i)
-            self._pread(raw[: count * self.dtype.itemsize], offset + i * self.dtype.itemsize)
-            values[i : i + count].copy_(typed[:count])
+        pread_cast(self.file.fd, self.file.path, values, offset, self.dtype)
         return values.numel() * self.dtype.itemsize
 
-    def _pread(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.file.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OffloadError(
-                    errno.EIO,
-                    f"zero3: the checkpoint file {self.file.path!r} ended {len(view) - done} "
-                    "bytes early",
-                )
-            done += n
+
+def pread_cast(fd: int, path: str, values: torch.Tensor, offset: int, dtype: torch.dtype) -> None:
+    """``values`` (1-D, contiguous) from elements of ``dtype`` at ``offset`` of the file open as
+    ``fd``: one read and one cast per chunk, through this thread's buffer."""
+    typed, raw = _cast_buffer(dtype)
+    step = typed.numel()
+    for i in range(0, values.numel(), step):
+        count = min(step, values.numel() - i)
+        pread_all(fd, path, raw[: count * dtype.itemsize], offset + i * dtype.itemsize)
+        values[i : i + count].copy_(typed[:count])
+
+
+def pread_all(fd: int, path: str, view: memoryview, offset: int) -> None:
+    """All of ``view`` from ``offset`` of the file open as ``fd`` (``path`` names it)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OffloadError(
+                errno.EIO, f"zero3: the file {path!r} ended {len(view) - done} bytes early"
+            )
+        done += n
 
 
 _SOURCE_CHUNK = 8 << 20  # bytes of the file per read and cast (a 16 MiB fp32 piece in bf16)
