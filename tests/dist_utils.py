@@ -41,9 +41,15 @@ PRELOAD = [
     "networkx",
     "sympy",
     "zero3_compile",
+    # the Hugging Face tests' ranks (test_hf, test_model_zoo, test_per_block): 1-2 s each
+    "transformers",
+    "transformers.models.llama.modeling_llama",
 ]
 # read by torch at import time, so set in the fork server's environment (and again in each rank)
 RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+# a test's own environment variables that torch reads only when it uses them (not at import):
+# their ranks can still be forked from the fork server
+READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
 
 
 def free_port() -> int:
@@ -127,7 +133,8 @@ def run_ranks(
     not all finish within ``timeout`` seconds (a hang is a test failure, never a stuck suite).
     """
     # an environment of the test's own may change what torch reads at import: spawn those ranks
-    ctx = _forkserver() if not env else multiprocessing.get_context("spawn")
+    forked = not env or set(env) <= READ_AT_USE
+    ctx = _forkserver() if forked else multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     env = {**os.environ, **RANK_ENV, **(env or {})}
