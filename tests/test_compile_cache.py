@@ -17,7 +17,7 @@ from zero3_compile.compat import aot_cache_hits_across_processes
 from zero3_compile.runtime.guard import CollectiveMismatchError
 
 from .dist_utils import run_ranks
-from .models import FrozenMLP, mlp_batch, mlp_loss
+from .models import GPT, FrozenMLP, GPTConfig, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 
 A = {"codegen": "inductor"}
 B = {"codegen": "inductor", "bucket_mb": 0.0002}  # one parameter per collective: other graphs
@@ -84,6 +84,28 @@ def _run(rank, world_size, options_by_rank, unrelated_first=False):
     }
 
 
+def _gpt_recorded(rank, world_size):
+    """One step of a one-block GPT (its graphs take the parameters' DeviceMesh) under
+    ``record_graphs``, which compiles past AOTAutograd's cache: only Inductor's can hit."""
+    from torch._dynamo.utils import counters
+
+    from zero3_compile.compiler.recording import record_graphs
+
+    torch.manual_seed(0)
+    model = z3.shard(GPT(GPTConfig(n_layer=1)), sync_timeout_s=60)
+    step = torch.compile(model, backend="zero3", options=A)
+    before = dict(counters["inductor"])
+    with record_graphs():
+        loss = gpt_loss(step, gpt_batch(2, seed=rank))
+        loss.backward()
+    fx = {k: v - before.get(k, 0) for k, v in counters["inductor"].items()}
+    return {
+        "loss": loss.item(),
+        "grad": model.lm_head.weight.grad.to_local().clone(),
+        "fx": {k: v for k, v in fx.items() if k.startswith("fxgraph_cache")},
+    }
+
+
 @functools.cache
 def runs():
     cache = tempfile.mkdtemp(prefix="zero3-cache-test-")
@@ -95,6 +117,11 @@ def runs():
             "other_options": run_ranks(_run, 2, [B, B], env=env, timeout=900),
             "other_world": run_ranks(_run, 3, [A, A, A], env=env, timeout=900),
             "mismatch": run_ranks(_run, 2, [A, B], env=env, timeout=900),
+            "gpt_cold": run_ranks(_gpt_recorded, 2, env=env, timeout=900),
+            # spawned with a hash seed of its own: forked ranks share the fork server's
+            "gpt_warm": run_ranks(
+                _gpt_recorded, 2, env={**env, "PYTHONHASHSEED": "1"}, timeout=900
+            ),
         }
     finally:
         shutil.rmtree(cache, ignore_errors=True)
@@ -123,6 +150,19 @@ def test_warm_restart_loads_from_the_caches_and_trains_the_same():
                 assert grad is not None, name
                 assert warm["heads_grads"][name] is not None, name
                 assert torch.equal(warm["heads_grads"][name], grad), name
+
+
+def test_graphs_taking_the_mesh_hit_inductors_cache_in_a_new_process():
+    """The parameters' DeviceMesh, a graph input, pickles a hash of strings (which differs with
+    the process's hash seed);
+    Inductor's cache must still hit for the forward and the backward graph in a new process
+    (``compat.stable_mesh_cache_keys``), with the same results."""
+    for cold, warm in zip(runs()["gpt_cold"], runs()["gpt_warm"]):
+        assert cold["fx"].get("fxgraph_cache_miss", 0) == 2, cold["fx"]
+        assert warm["fx"].get("fxgraph_cache_miss", 0) == 0, warm["fx"]
+        assert warm["fx"].get("fxgraph_cache_hit", 0) == 2, warm["fx"]
+        assert warm["loss"] == cold["loss"]
+        assert torch.equal(warm["grad"], cold["grad"])
 
 
 @pytest.mark.parametrize("run", ["other_options", "other_world"])

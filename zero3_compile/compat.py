@@ -430,6 +430,47 @@ def inductor_compile_fx():
     return compile_fx, compile_fx_inner
 
 
+def stable_mesh_cache_keys() -> None:
+    """From now on, in this process, Inductor's and AOTAutograd's cache keys take a
+    ``DeviceMesh`` (a graph input where DTensor parameters lift theirs, torch 2.13+; inside a
+    backward graph's metadata) as its ranks, this rank's coordinate, device type, dimension names
+    and groups. Torch pickles the mesh's whole state into the key, including a hash it computes
+    lazily from strings (randomised per process), so such a graph never hit the cache in another
+    process: a warm restart compiled it again (as did every graph ``record_graphs`` keeps from
+    AOTAutograd's cache). Process-wide, not scoped to our compile: AOTAutograd compiles a backward
+    graph at its first call. Only the key's bytes change, not what is compiled. Private
+    (``FxGraphCachePickler``'s per-instance ``dispatch_table``, 2.11-2.14); a no-op where
+    absent."""
+    try:
+        from torch._inductor.codecache import FxGraphCachePickler
+    except ImportError:
+        return
+    original = FxGraphCachePickler.__init__
+    if getattr(original, "_zero3_stable_meshes", False):
+        return
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        table = getattr(self, "dispatch_table", None)
+        if isinstance(table, dict):
+            table[DeviceMesh] = _mesh_cache_key
+
+    init._zero3_stable_meshes = True
+    FxGraphCachePickler.__init__ = init
+
+
+def _mesh_cache_key(mesh: DeviceMesh) -> tuple:
+    """A mesh's reduction for a cache key: what identifies its collectives, nothing per process."""
+    groups = tuple(group.group_name for group in mesh.get_all_groups())
+    key = (mesh.device_type, mesh.mesh.tolist(), mesh.get_coordinate(), mesh.mesh_dim_names, groups)
+    return _only_a_cache_key, key
+
+
+def _only_a_cache_key(*key):
+    raise RuntimeError(f"{key} is a DeviceMesh's cache key, not a mesh")
+
+
 def inductor_config_patches(mode: str | None) -> dict[str, Any]:
     """Inductor settings the scheduled graphs need.
 

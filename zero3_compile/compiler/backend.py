@@ -43,6 +43,7 @@ from ..compat import (
     partitioner_base,
     region_schemas_cached,
     register_dynamo_backend,
+    stable_mesh_cache_keys,
 )
 from ..runtime.gate import GatedCall
 from ..runtime.guard import DEFAULT_TIMEOUT_S
@@ -368,6 +369,7 @@ def _compile_inductor(
     # someone is recording the graphs (record_graphs, explain, the inspect command): they must be
     # compiled, not loaded from the cache
     caching = contextlib.nullcontext() if not ctx.recorders else autograd_cache_disabled()
+    stable_mesh_cache_keys()
     with caching:
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
