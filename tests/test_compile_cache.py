@@ -177,3 +177,26 @@ def test_a_cache_hit_still_runs_the_cross_rank_check():
     check in the cached code turns the mismatch into an error on both ranks."""
     for r in runs()["mismatch"]:
         assert "about to issue different collectives" in r["error"], r
+
+
+def test_a_mesh_is_keyed_by_what_identifies_its_collectives(fake_pg, monkeypatch):
+    """The cache key of a mesh: equal for equal meshes, different for another world; a mesh that
+    cannot name its groups falls back to torch's own reduction instead of failing the compile."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from zero3_compile.compat import _mesh_cache_key, _only_a_cache_key
+
+    mesh = init_device_mesh("cpu", (4,))
+    again = init_device_mesh("cpu", (4,))
+    two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hash(mesh)  # the per-process hash the key must not hold
+    assert _mesh_cache_key(mesh)[0] is _only_a_cache_key
+    assert _mesh_cache_key(mesh) == _mesh_cache_key(again)
+    assert _mesh_cache_key(two) != _mesh_cache_key(mesh)
+    assert str(hash(mesh)) not in repr(_mesh_cache_key(mesh))
+
+    def gone(self):
+        raise RuntimeError("group destroyed")
+
+    monkeypatch.setattr(DeviceMesh, "get_all_groups", gone)
+    assert _mesh_cache_key(mesh)[0] is not _only_a_cache_key

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import os
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -461,9 +462,15 @@ def stable_mesh_cache_keys() -> None:
 
 
 def _mesh_cache_key(mesh: DeviceMesh) -> tuple:
-    """A mesh's reduction for a cache key: what identifies its collectives, nothing per process."""
-    groups = tuple(group.group_name for group in mesh.get_all_groups())
-    key = (mesh.device_type, mesh.mesh.tolist(), mesh.get_coordinate(), mesh.mesh_dim_names, groups)
+    """A mesh's reduction for a cache key: what identifies its collectives, nothing per process.
+    A mesh that cannot say (its groups gone) keeps torch's own reduction: a per-process key,
+    never a failed compile."""
+    try:
+        groups = tuple(group.group_name for group in mesh.get_all_groups())
+        coordinate = mesh.get_coordinate()
+    except (RuntimeError, AttributeError, ValueError, KeyError):
+        return mesh.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+    key = (mesh.device_type, mesh.mesh.tolist(), coordinate, mesh.mesh_dim_names, groups)
     return _only_a_cache_key, key
 
 
