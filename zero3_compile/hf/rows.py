@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from ..offload import origins
-from ..offload.store import pread_cast
+from ..offload.store import pread_all, pread_cast
 
 CHUNK = 64 << 20  # bytes per preadv call
 
@@ -124,13 +123,6 @@ class RowSlice:
         return first, max(first, last)
 
     def _read(self, out: torch.Tensor, offset: int) -> None:
-        nbytes = out.numel() * out.element_size()
-        if nbytes == 0:
-            return
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < nbytes:
-            n = os.preadv(self.fd, [view[done : min(nbytes, done + CHUNK)]], offset + done)
-            if n <= 0:
-                raise OSError(f"zero3: the checkpoint file ended {nbytes - done} bytes early")
-            done += n
+        if out.numel():
+            view = memoryview(out.view(-1).view(torch.uint8).numpy())
+            pread_all(self.fd, self.path, view, offset, CHUNK)

@@ -93,8 +93,8 @@ class FileRows:
         offset = self.offset + start // self.stored.itemsize * self.dtype.itemsize
         if self.dtype == self.stored:
             pread_all(self.file.fd, self.file.path, _memory(values), offset)
-            return values.numel() * self.dtype.itemsize
-        pread_cast(self.file.fd, self.file.path, values, offset, self.dtype)
+        else:
+            pread_cast(self.file.fd, self.file.path, values, offset, self.dtype)
         return values.numel() * self.dtype.itemsize
 
 
@@ -109,11 +109,13 @@ def pread_cast(fd: int, path: str, values: torch.Tensor, offset: int, dtype: tor
         values[i : i + count].copy_(typed[:count])
 
 
-def pread_all(fd: int, path: str, view: memoryview, offset: int) -> None:
-    """All of ``view`` from ``offset`` of the file open as ``fd`` (``path`` names it)."""
+def pread_all(fd: int, path: str, view: memoryview, offset: int, chunk: int | None = None) -> None:
+    """All of ``view`` from ``offset`` of the file open as ``fd`` (``path`` names it), at most
+    ``chunk`` bytes per call."""
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        end = len(view) if chunk is None else min(len(view), done + chunk)
+        n = os.preadv(fd, [view[done:end]], offset + done)
         if n <= 0:
             raise OffloadError(
                 errno.EIO, f"zero3: the file {path!r} ended {len(view) - done} bytes early"
