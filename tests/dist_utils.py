@@ -44,6 +44,8 @@ PRELOAD = [
     # the Hugging Face tests' ranks (test_hf, test_model_zoo, test_per_block): 1-2 s each
     "transformers",
     "transformers.models.llama.modeling_llama",
+    # facts Inductor computes once per process (the CPU's vector instruction sets: ~1 s)
+    "tests.rank_preload",
 ]
 # read by torch at import time, so set in the fork server's environment (and again in each rank)
 RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
