@@ -111,6 +111,10 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "out", "big"))
     parser.add_argument("--skip-disk-test", action="store_true")
     parser.add_argument(
+        "--ds-config", default="",
+        help='JSON merged into the deepspeed contender\'s config, e.g. \'{"aio": {"queue_depth": 16}}\'',
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="drop the page cache before each contender (root): the load reads the disk",
     )  # fmt: skip
@@ -478,7 +482,8 @@ def run_deepspeed(rank, world, cfg: dict):
     """DeepSpeed ZeRO-3 as its users load a Hugging Face model: ``HfDeepSpeedConfig`` alive
     before ``from_pretrained`` (parameters partitioned as they are created, under
     ``deepspeed.zero.Init``), then ``deepspeed.initialize``; AdamW as torch's
-    (``torch_adam``), everything in memory (no offload)."""
+    (``torch_adam``). With ``--offload disk``: ZeRO-Infinity, parameters and optimizer state on
+    NVMe through its ``async_io`` op (``infinity_config``); ``--ds-config`` overrides any key."""
     import deepspeed
     import transformers
     from transformers.integrations import HfDeepSpeedConfig
@@ -492,12 +497,23 @@ def run_deepspeed(rank, world, cfg: dict):
     config = deepspeed_config(Context(rank, world, torch.device("cpu"), "gloo", 1, adamw))
     if cfg["bf16"]:
         config["bf16"] = {"enabled": True}
+    if cfg["offload"] == "disk":
+        nvme = os.path.join(cfg["scratch"], f"run-{cfg['tag']}-nvme-rank{rank}")
+        os.makedirs(nvme, exist_ok=True)
+        # its swap buffers must hold the largest parameter's partition (the embedding's)
+        largest = -(-cfg["vocab"] * cfg["hidden"] // world)
+        _merge(config, infinity_config(nvme, largest))
+    _merge(config, json.loads(cfg.get("ds_config") or "{}"))
+    if rank == 0:
+        print("[deepspeed] config", json.dumps(config), flush=True)
     phases = Phases()
     with phases.phase("load"):
         keep = HfDeepSpeedConfig(config)  # noqa: F841  (from_pretrained reads it while alive)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            cfg["checkpoint"], dtype=torch.float32
-        )
+        # with its bf16 section, as its users load: bf16 parameters (its optimizer keeps the
+        # fp32 master copy); loaded in fp32, its parameter swap buffers are fp32 too (8 x 197M
+        # elements locked per rank at 3B: OOM-killed while loading)
+        dtype = torch.bfloat16 if cfg["bf16"] else torch.float32
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg["checkpoint"], dtype=dtype)
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
@@ -506,6 +522,53 @@ def run_deepspeed(rank, world, cfg: dict):
         phases, engine, _EngineStep(engine), rank, cfg, backward=engine.backward
     )
     return {"phases": phases.records, "losses": losses, "steps": cfg["steps"]}
+
+
+def infinity_config(nvme_path: str, largest_partition: int) -> dict:
+    """ZeRO-Infinity (parameters and optimizer state on NVMe through ``async_io``) in the first
+    configuration found that trains here (the search: bench/RESULTS.md). From the documentation's
+    NVMe example: no pinned memory (a CPU accelerator; the parameter swapper locks its buffers
+    anyway), swap buffers as large as the largest parameter's partition (the default 1e8 elements
+    fails an assertion on a 128256-row embedding) and 8 of them (each locked in memory: 10 or
+    more were OOM-killed at 1.5B fp32; 6 ran out), ``stage3_max_reuse_distance`` 0 (else the
+    second step fails "Not enough buffers 0 for swapping 1": parameters kept for reuse hold swap
+    buffers; DeepSpeed issue #3062), nothing kept in memory (``max_in_cpu`` 0), no prefetch, and
+    sub-groups and buckets of 1e7 elements (their buffers are in memory too).
+    ``--ds-config`` changes any of it."""
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {
+                "device": "nvme", "nvme_path": nvme_path, "pin_memory": False,
+                "buffer_count": 8, "buffer_size": max(int(1e8), largest_partition),
+                "max_in_cpu": 0,
+            },
+            "offload_optimizer": {
+                "device": "nvme", "nvme_path": nvme_path, "pin_memory": False,
+                "buffer_count": 4, "fast_init": False,
+            },
+            "sub_group_size": int(1e7),
+            "reduce_bucket_size": int(1e7),
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_live_parameters": int(1e8),
+            "stage3_max_reuse_distance": 0,
+            "stage3_param_persistence_threshold": int(1e5),
+        },
+        "aio": {
+            "block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+            "single_submit": False, "overlap_events": True,
+        },
+        # its CPU Adam needs a pinned-memory accelerator path; torch's AdamW steps the same update
+        "zero_force_ds_cpu_optimizer": False,
+    }  # fmt: skip
+
+
+def _merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 # --------------------------------------------------------------------------- the disk
@@ -596,8 +659,11 @@ def report(args, shape, disk, runs, compute) -> str:
             step_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (
                 per_rank[0]["steps"] - 1
             )
-            moved_read = sum(r["phases"]["steps"]["store_read"] for r in per_rank)
-            moved_written = sum(r["phases"]["steps"]["store_written"] for r in per_rank)
+            # the offload stores' counters; a contender without them (DeepSpeed's swapper):
+            # the process's own (/proc/self/io)
+            steps_of = [r["phases"]["steps"] for r in per_rank]
+            moved_read = sum(max(p["store_read"], p["disk_read"]) for p in steps_of)
+            moved_written = sum(max(p["store_written"], p["disk_written"]) for p in steps_of)
             n = per_rank[0]["steps"] - 1
             io_bound = 0.0
             if disk:
@@ -635,20 +701,20 @@ def report(args, shape, disk, runs, compute) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     shape = SHAPES[args.model]
-    name = args.model
+    model_name = args.model
     if args.layers:
-        shape, name = replace(shape, layers=args.layers), f"{args.model}-l{args.layers}"
+        shape, model_name = replace(shape, layers=args.layers), f"{args.model}-l{args.layers}"
     os.makedirs(args.out, exist_ok=True)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.world))}
     logs = os.path.join(args.out, "logs")
-    checkpoint = write_checkpoint(os.path.join(args.cache, name), shape)
+    checkpoint = write_checkpoint(os.path.join(args.cache, model_name), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 single_copy=args.single_copy, o_direct=args.o_direct,
                 tile_mb=args.tile_mb,
-                seq=args.seq, vocab=shape.vocab, steps=args.steps, codegen=args.codegen,
+                seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
-                compile_once=args.compile_once)  # fmt: skip
+                compile_once=args.compile_once, ds_config=args.ds_config)  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
     if len(depths) >= 2:
@@ -667,14 +733,19 @@ def main(argv=None) -> None:
         cfg = {**base, "tag": name, "save": args.checkpoint}
         if args.cold:
             drop_page_cache()
+        # the contender before may have left its swap files (DeepSpeed's stay until its
+        # process ends; a killed one leaves them): the next one needs the disk
+        shutil.rmtree(args.scratch, ignore_errors=True)
         fn = {"zero3": run_zero3, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}[name]
         extra = {"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else {}
         try:
             per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name,
                                  timeout_s=14400, env={**env, **extra})  # fmt: skip
         except RankError as error:  # an OOM kill is a result: say so and go on
-            failed[name] = str(error).splitlines()[0][:300]
-            print(f"{name}: failed: {failed[name]}", flush=True)
+            lines = str(error).splitlines()
+            # the first line names the rank; the last, what stopped it (the traceback's end)
+            failed[name] = " ".join(lines[:1] + lines[-1:])[:400]
+            print(f"{name}: failed:\n{error}", flush=True)
             continue
         if name == "zero3" and args.checkpoint:
             resumed = run_ranks(run_resume, args.world, (cfg,), log_dir=logs, name="resume",
@@ -694,7 +765,8 @@ def main(argv=None) -> None:
     text = report(args, shape, disk, runs, compute)
     text += "".join(f"\n## {name}\n\nfailed: {why}\n" for name, why in failed.items())
     print(text)
-    tag = f"{name}-{args.offload}-w{args.world}"
+    # the model's name: the loop above reuses ``name`` for the contenders
+    tag = f"{model_name}-{args.offload}-w{args.world}"
     with open(os.path.join(args.out, f"{tag}.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(args.out, f"{tag}.json"), "w") as f:
