@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.torch_version import TorchVersion
 
 funcol = torch.ops._c10d_functional
 
@@ -389,14 +388,6 @@ def aot_autograd_backend(**kwargs):
     from torch._dynamo.backends.common import aot_autograd
 
     return aot_autograd(**kwargs)
-
-
-def aot_cache_hits_across_processes() -> bool:
-    """Whether AOTAutograd's cache key of a graph taking ``DTensor`` parameters is the same in
-    another process. On torch 2.11 it is not (the inputs' hash differs per process, though their
-    printed metadata is equal), so a warm restart hits only Inductor's FX graph cache; from 2.13
-    both caches hit. 2.12 not checked (assumed as 2.11)."""
-    return TorchVersion(torch.__version__) >= (2, 13)
 
 
 def autograd_cache_disabled():
