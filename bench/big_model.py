@@ -529,11 +529,12 @@ def infinity_config(nvme_path: str, largest_partition: int) -> dict:
     configuration found that trains here (the search: bench/RESULTS.md). From the documentation's
     NVMe example: no pinned memory (a CPU accelerator; the parameter swapper locks its buffers
     anyway), swap buffers as large as the largest parameter's partition (the default 1e8 elements
-    fails an assertion on a 128256-row embedding) and 8 of them (each locked in memory: 10 or
-    more were OOM-killed at 1.5B fp32; 6 ran out), ``stage3_max_reuse_distance`` 0 (else the
-    second step fails "Not enough buffers 0 for swapping 1": parameters kept for reuse hold swap
-    buffers; DeepSpeed issue #3062), nothing kept in memory (``max_in_cpu`` 0), no prefetch, and
-    sub-groups and buckets of 1e7 elements (their buffers are in memory too).
+    fails an assertion on a 128256-row embedding) and 8 of them (each is locked in memory: at the
+    1.5B width in fp32, 32 were OOM-killed while loading, 7 or 8 in the backward; 6 ran out),
+    ``stage3_max_reuse_distance`` 0 (else the second step fails "Not enough buffers 0 for
+    swapping 1": parameters kept for reuse hold swap buffers; DeepSpeed issue #3062), nothing
+    kept in memory (``max_in_cpu`` 0), no prefetch, and sub-groups and buckets of 1e7 elements
+    (their buffers are in memory too).
     ``--ds-config`` changes any of it."""
     return {
         "zero_optimization": {
