@@ -473,6 +473,10 @@ def inductor_config_patches(mode: str | None) -> dict[str, Any]:
     """Inductor settings the scheduled graphs need.
 
     - ``reorder_for_peak_memory`` off: it would move every all-gather down to its wait.
+    - ``reorder_for_locality`` off: a post-grad pass over inference graphs (and training graphs
+      where 2.14's ``reorder_for_locality_in_training`` is set) that moves each node to just
+      before its first user, so a wait moves down past the next collective's issue: two in flight
+      where gloo's schedule keeps one.
     - ``aten_distributed_optimizations.enable_simple_overlap`` off where the key exists (on by
       default in 2.14, being reverted upstream over hangs): it moves collective starts and waits
       after our scheduler placed them.
@@ -483,6 +487,7 @@ def inductor_config_patches(mode: str | None) -> dict[str, Any]:
     if mode not in (None, "default"):
         patches.update(torch._inductor.list_mode_options(mode))
     patches["reorder_for_peak_memory"] = False
+    patches["reorder_for_locality"] = False
     if _config_has(inductor_config, "aten_distributed_optimizations.enable_simple_overlap"):
         patches["aten_distributed_optimizations.enable_simple_overlap"] = False
     return patches

@@ -61,7 +61,12 @@ from .pipeline import Dumper, run_pipeline
 from .planner import plan_budget
 from .recording import GraphRecord
 from .secondary import keep_secondary_shards
-from .signature import check_generated_order, collective_signature, describe_signature
+from .signature import (
+    ScheduledOrder,
+    check_generated_order,
+    collective_signature,
+    describe_signature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -352,11 +357,12 @@ def _compile_inductor(
 
     def inner_compile(graph_module: fx.GraphModule, inputs, **kwargs):
         record = _schedule(graph_module, ctx, _graph_kind(kwargs))
+        scheduled = ScheduledOrder.of(graph_module.graph)
         with _timed("Inductor on the scheduled graphs"):
             compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         record.source_code = getattr(compiled, "source_code", None)
         check_generated_order(
-            graph_module.graph, record.source_code, f"{record.kind} graph {record.graph_id}"
+            scheduled, record.source_code, f"{record.kind} graph {record.graph_id}"
         )
         return compiled
 

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import math
 import re
+from dataclasses import dataclass
 
 import torch.fx as fx
 
@@ -244,14 +245,28 @@ class GeneratedOrderError(RuntimeError):
     """Inductor's generated code does not issue the collectives as scheduled."""
 
 
-def check_generated_order(graph: fx.Graph, source_code: str | None, label: str) -> None:
-    """Raise if Inductor's generated code issues the collectives in another order than ``graph``,
-    or runs the cross-rank guard after one of them.
+@dataclass(frozen=True)
+class ScheduledOrder:
+    """The collectives of a scheduled graph as Inductor's code must issue them, captured before
+    Inductor runs: its post-grad passes rewrite the graph in place (``reorder_for_locality``
+    moves waits in inference graphs), so the graph afterwards no longer says what was scheduled."""
+
+    collectives: list[tuple[str, int]]
+    events: list[tuple[str, int]]
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> ScheduledOrder:
+        return cls(expected_collective_order(graph), scheduled_events(graph))
+
+
+def check_generated_order(scheduled: ScheduledOrder, source_code: str | None, label: str) -> None:
+    """Raise if Inductor's generated code issues the collectives in another order than
+    ``scheduled``, keeps more of them in flight, or runs the cross-rank guard after one of them.
 
     All ranks run the same passes, but Inductor sees rank-specific shapes (uneven shards), so a
     reordering there could differ between ranks and hang them; this turns that into an error.
     """
-    expected = expected_collective_order(graph)
+    expected = scheduled.collectives
     if not expected or source_code is None:
         return
     found = generated_collective_order(source_code)
@@ -264,10 +279,10 @@ def check_generated_order(graph: fx.Graph, source_code: str | None, label: str) 
     events = generated_events(source_code)
     guard_first = bool(events) and events[0] == ("guard", -1)
     # a serialized graph (gloo: ``serialize_collectives``) must stay serialized
-    serial = most_in_flight(events) <= max(1, most_in_flight(scheduled_events(graph)))
+    serial = most_in_flight(events) <= max(1, most_in_flight(scheduled.events))
     if not same or not guard_first or not serial:
         raise GeneratedOrderError(
             f"zero3: Inductor reordered the collectives of {label}: scheduled "
-            f"{scheduled_events(graph)}, generated {events} ({found}). This could hang ranks; "
+            f"{scheduled.events}, generated {events} ({found}). This could hang ranks; "
             "use options={'codegen': 'eager'} and please report it."
         )
