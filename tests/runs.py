@@ -64,15 +64,26 @@ INDUCTOR_JOBS = {
 }
 
 
-@functools.cache
 def _world(world: int) -> list[dict]:
-    """One process group per world size runs its eager and inductor jobs."""
+    """One process group per world size runs its eager and inductor jobs; its result, or its
+    failure, is kept for every test that reads it (a failed world is not run again per test)."""
+    outcome = _world_outcome(world)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+@functools.cache
+def _world_outcome(world: int) -> list[dict] | BaseException:
     jobs = [
         (model, optimizer, options, f"{codegen}:{tag}", kwargs)
         for codegen, table in (("eager", EAGER_JOBS), ("inductor", INDUCTOR_JOBS))
         for model, optimizer, options, tag, kwargs in table.get(world, [])
     ]
-    return run_ranks(run_jobs, world, jobs, timeout=1200)
+    try:
+        return run_ranks(run_jobs, world, jobs, timeout=1200)
+    except Exception as error:  # noqa: BLE001  (re-raised by every reader)
+        return error
 
 
 def results(world: int, codegen: str) -> list[dict]:
