@@ -88,11 +88,13 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
             block.compile(backend="zero3", options=options)
         step_model = model
     calls = _count_compiled_calls()
+    eager = _count_eager_collectives()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     losses, ref_losses = [], []
     with record_graphs() as records:
         for _ in range(STEPS):
+            eager.clear()
             inputs, targets = gpt_batch(world * PER_RANK_BATCH, seed=0)
             mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
             loss = loss_fn(step_model, (inputs[mine], targets[mine]))
@@ -116,6 +118,7 @@ def train(rank: int, world: int, kind: str, how: str, codegen: str) -> dict:
         "graphs": [r.kind for r in records],
         "regions": [_region_calls(r.gm) for r in records],
         "handoff": (HANDOFF.taken, HANDOFF.discarded),
+        "eager_collectives": dict(eager),
         "code": [r.source_code for r in records if r.source_code is not None],
         "overlapped": [
             g["overlapped"]
@@ -134,6 +137,24 @@ def _region_calls(gm) -> dict[str, int]:
             body = str(node.args[0].target)
             calls[body] = calls.get(body, 0) + 1
     return calls
+
+
+def _count_eager_collectives() -> dict[str, int]:
+    """Counts the cross-rank checks of eager gathers and reductions (one per collective) from now
+    on (in this rank's process)."""
+    from zero3_compile.runtime import guard, root
+
+    kinds = {guard.KIND_EAGER_GATHER: "gather", guard.KIND_EAGER_REDUCE: "reduce"}
+    count: dict[str, int] = {}
+    check = guard.run_check
+
+    def counted(channel, kind, *args, **kwargs):
+        if kind in kinds:
+            count[kinds[kind]] = count.get(kinds[kind], 0) + 1
+        return check(channel, kind, *args, **kwargs)
+
+    guard.run_check = root.run_check = counted
+    return count
 
 
 def _count_compiled_calls() -> list[int]:
@@ -235,6 +256,39 @@ def test_per_block_graphs_hand_the_next_blocks_first_gather_over(codegen):
         assert r["losses"] == p["losses"]  # the same values gathered: bit-identical
         for name, value in p["params"].items():
             assert torch.equal(r["params"][name], value), name
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1].startswith("per_block")], ids="-".join)
+def test_per_block_gathers_the_parameters_outside_the_blocks_together(case):
+    """The model's eager forward gathers its parameters outside the compiled blocks (embeddings,
+    final norm, head) with one all-gather, and backward reduces them with one reduce-scatter
+    (``frontend/root_unit.py``), not one of each per parameter; the losses are eager's (above)."""
+    for r in results()[case]:
+        assert r["eager_collectives"] == {"gather": 1, "reduce": 1}, r["eager_collectives"]
+    whole = results()[(case[0], "whole", "eager")]
+    assert all(r["eager_collectives"] == {} for r in whole), whole[0]["eager_collectives"]
+
+
+def test_root_unit_members_are_the_parameters_outside_compiled_modules(fake_pg):
+    """Nothing compiled: no unit (each parameter is gathered when read). Blocks compiled with
+    ``Module.compile`` or replaced by ``torch.compile`` wrappers: everything else."""
+    from zero3_compile.frontend.root_unit import unit_members
+
+    def names(model):
+        return sorted(
+            f"{state.prefix}.{attr}".lstrip(".") for state, attr, _ in unit_members(model)
+        )
+
+    model = z3.shard(GPT(GPTConfig(n_layer=3)))
+    assert names(model) == []
+    for block in model.transformer.h[:2]:
+        block.compile(backend="zero3")
+    outside = {n for n in names(model)}
+    assert not any(n.startswith(("transformer.h.0.", "transformer.h.1.")) for n in outside)
+    assert any(n.startswith("transformer.h.2.") for n in outside)  # not compiled: a member
+    assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= outside
+    model.transformer.h[2] = torch.compile(model.transformer.h[2], backend="zero3")
+    assert not any(n.startswith("transformer.h.") for n in names(model))
 
 
 class TaggedBlock(nn.Module):

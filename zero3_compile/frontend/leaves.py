@@ -81,7 +81,7 @@ def _leaf_enter(members):
             # traced: the passes bucket the markers; sync off: each gradient goes to its sink
             fulls = [getattr(owner, attr) for _, attr, owner in members]
         else:
-            fulls = _gather_eagerly(members)
+            fulls = gather_members(members)
         for (state, attr, _), full in zip(members, fulls):
             if state.scope is None:
                 state.scope = {}
@@ -98,7 +98,9 @@ def _leaf_exit(members):
     return exit_
 
 
-def _gather_eagerly(members) -> list[torch.Tensor]:
+def gather_members(members) -> list[torch.Tensor]:
+    """The full parameters of ``members`` ((module state, attribute, owner)), gathered together
+    (``UnshardMany``: one collective per scheme; their gradients reduced together in backward)."""
     from ..collectives.ops import UnshardMany
     from ..runtime.write_through import gathered_parameter
     from ..sharding.layout import wrap_full

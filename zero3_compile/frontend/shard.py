@@ -32,6 +32,7 @@ from .classes import is_sharded_module, make_sharded
 from .leaves import check_leaf_modules, detected_leaves, set_leaf_modules
 from .mixed_precision import MixedPrecision, install_hooks
 from .offload_state import install_offload_state_dict_hooks
+from .root_unit import install_root_unit
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def shard(
     for prefix, sub, own in owned:
         make_sharded(sub, ModuleState(params=own, root=root, prefix=prefix))
     install_hooks(module, root)
+    install_root_unit(module)
     set_leaf_modules(module, list(leaf_modules or ()) + detected_leaves(module))
     if root.offload is not None:
         install_offload_state_dict_hooks(module)
