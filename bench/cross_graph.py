@@ -2,11 +2,13 @@
 
     python bench/cross_graph.py --depth 12,24 --steps 40
 
-For each depth: three copies of the same GPT (``--model``, default ``gpt-w128`` at that many
+For each depth: four copies of the same GPT (``--model``, default ``gpt-w128`` at that many
 blocks), sharded over 2 gloo ranks, eager codegen: ``torch.compile(model, backend="zero3")``
-(whole), ``block.compile(backend="zero3")`` for every block (per block, the rest eager), and per
+(whole), ``block.compile(backend="zero3")`` for every block (per block, the rest eager), per
 block with ``cross_graph_prefetch`` (each block's first all-gather issued in the previous block's
-tail, ``collectives/handoff.py``). The three train in turn, one step each, so they see the same
+tail, ``collectives/handoff.py``), and per block with the parameters outside the blocks gathered
+and reduced one by one (the model's root unit, ``frontend/root_unit.py``, taken off: what
+per-block compile did before it). The four train in turn, one step each, so they see the same
 machine; the table gives the median step over ``--steps`` after 3 warm-up steps, the ratio to
 the whole model, the prefetches taken over, and each setup's cross-rank checks per step (one
 per graph run and per eager collective) with their time.
@@ -29,7 +31,12 @@ import torch.distributed as dist  # noqa: E402
 from bench.launch import run_ranks  # noqa: E402
 from bench.models import PRESETS, build_model, lm_loss, transformer_blocks  # noqa: E402
 
-SETUPS = ("whole", "per block", "per block + cross_graph_prefetch")
+SETUPS = (
+    "whole",
+    "per block",
+    "per block + cross_graph_prefetch",
+    "per block, parameters outside gathered one by one",
+)
 WARMUP = 3
 
 
@@ -42,6 +49,12 @@ def _setup(model, how: str):
         return torch.compile(model, backend="zero3", options=options)
     for block in transformer_blocks(model):
         block.compile(backend="zero3", options=options)
+    if how == SETUPS[3]:  # as before the root unit: its hooks taken off this model
+        from zero3_compile.frontend import root_unit
+
+        for hooks in (model._forward_pre_hooks, model._forward_hooks):
+            for key in [k for k, h in hooks.items() if type(h).__module__ == root_unit.__name__]:
+                del hooks[key]
     return model
 
 
