@@ -503,6 +503,15 @@ def _config_has(config_module, key: str) -> bool:
 # ------------------------------------------------------------------------------- fx and autograd
 
 
+def nested_regions_take_dtensor_inputs() -> bool:
+    """Whether dynamo traces a nested compile region (``invoke_subgraph``) whose body reads
+    sharded (DTensor) parameters. torch 2.11 does not: its subgraph speculation asserts that
+    every lifted input is a FakeTensor ("Expected FakeTensor, got DTensor"); 2.13 and 2.14 do
+    (checked); 2.12 was not checked, so it is refused with them."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
 def boxed_codegen():
     """FX codegen with the boxed calling convention (inputs freed as early as possible).
     Private ``torch.fx.graph._BoxedCodeGen``; present 2.11-2.14."""

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from ..compat import nested_regions_take_dtensor_inputs
 from .classes import base_class, is_sharded_module
 
 _MARK = "_zero3_compile_once"
@@ -47,6 +48,13 @@ def compile_once(blocks: nn.Module | Iterable[nn.Module]) -> None:
                 f"zero3: compile_once() got a {type(module).__name__} that is not sharded; call "
                 "zero3_compile.shard(model) first, then compile_once(<its blocks>)"
             )
+    if not nested_regions_take_dtensor_inputs():
+        raise RuntimeError(
+            f"zero3: compile_once needs torch >= 2.13 (the nested compile regions of torch "
+            f"{torch.__version__} cannot take sharded parameters); compile the whole model "
+            "without it, or each block with block.compile(backend='zero3')"
+        )
+    for module in modules:
         cls = type(module)
         if cls.__dict__.get(_MARK):
             continue
