@@ -82,20 +82,30 @@ def _leaf_enter(members):
             fulls = [getattr(owner, attr) for _, attr, owner in members]
         else:
             fulls = gather_members(members)
-        for (state, attr, _), full in zip(members, fulls):
-            if state.scope is None:
-                state.scope = {}
-            state.scope[attr] = full
+        open_scope(members, fulls)
 
     return enter
 
 
 def _leaf_exit(members):
     def exit_(module, args, output):
-        for state, _, _ in members:
-            state.scope = None
+        close_scope(members)
 
     return exit_
+
+
+def open_scope(members, fulls) -> None:
+    """Reads of ``members`` ((module state, attribute, owner)) return ``fulls`` until
+    ``close_scope`` (the generated getters look in their module state's ``scope`` first)."""
+    for (state, attr, _), full in zip(members, fulls):
+        if state.scope is None:
+            state.scope = {}
+        state.scope[attr] = full
+
+
+def close_scope(members) -> None:
+    for state, _, _ in members:
+        state.scope = None
 
 
 def gather_members(members) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..sharding.state import ShardState, module_state
+from .leaves import close_scope, gather_members, open_scope
 
 
 def install_root_unit(root: nn.Module) -> None:
@@ -77,16 +78,10 @@ class _Enter:
         params = [state.params[attr] for state, attr, _ in members]
         if not all(p.state is ShardState.SHARDED and p.requires_sync for p in params):
             return
-        from .leaves import gather_members
-
-        for (state, attr, _), full in zip(members, gather_members(members)):
-            if state.scope is None:
-                state.scope = {}
-            state.scope[attr] = full
+        open_scope(members, gather_members(members))
         module.__dict__["_zero3_unit"] = members
 
 
 class _Exit:
     def __call__(self, module, args, output):
-        for state, _, _ in module.__dict__.pop("_zero3_unit", ()):
-            state.scope = None
+        close_scope(module.__dict__.pop("_zero3_unit", ()))
