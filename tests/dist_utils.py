@@ -188,12 +188,12 @@ def run_ranks(
                 # for them after a grace period so the first error is reported quickly
                 deadline = min(deadline, time.monotonic() + 20.0)
         if errors:
-            first = min(errors)
+            first = _cause(errors)
             raise RuntimeError(f"rank {first} failed:\n{errors[first]}")
         return [outputs[r] for r in range(world_size)]
     except TimeoutError:
         if errors:
-            first = min(errors)
+            first = _cause(errors)
             raise RuntimeError(f"rank {first} failed:\n{errors[first]}") from None
         raise
     finally:
@@ -209,6 +209,17 @@ __all__ = ["free_port", "run_ranks"]
 
 def _each(rank: int, world_size: int, fn, arg_list: list[tuple]) -> list[Any]:
     return [fn(rank, world_size, *args) for args in arg_list]
+
+
+# what a rank reports when another rank failed first and left it (the other's error is the cause)
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "lost its connection")
+
+
+def _cause(errors: dict[int, str]) -> int:
+    """The rank whose error to report: the lowest one that failed on its own, not because a
+    peer went away (else the lowest)."""
+    own = [rank for rank, text in errors.items() if not any(s in text for s in _SECONDARY)]
+    return min(own or errors)
 
 
 def run_scenarios(

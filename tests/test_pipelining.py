@@ -326,11 +326,16 @@ SPLIT = [
     ("split_backward", name)
     for name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 ]
+# torch 2.11's stages send to themselves when a V schedule sets up (two adjacent stages on one
+# rank); gloo has no pair to itself ("Pair is not connected"), with or without zero3. 2.13 skips
+# those sends.
+V_SCHEDULES_ON_GLOO = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+RUN_SPLIT = [c for c in SPLIT if V_SCHEDULES_ON_GLOO or c[1] == "ScheduleInterleavedZeroBubble"]
 
 
 @functools.cache
 def results():
-    return run_scenarios(_scenario, 4, CASES + CLIPPED + SPLIT + [("refused",)], timeout=1500)
+    return run_scenarios(_scenario, 4, CASES + CLIPPED + RUN_SPLIT + [("refused",)], timeout=1500)
 
 
 # pp 2 x dp 1 (2 ranks): zero3 stages over a one-rank data-parallel group
@@ -409,6 +414,8 @@ def test_zero3_stage_reduces_once_per_step_not_per_micro_batch():
 
 @pytest.mark.parametrize("case", SPLIT, ids=lambda c: c[1])
 def test_split_backward_schedules_over_torchs_stage_train_like_eager(case):
+    if case not in RUN_SPLIT:
+        pytest.skip("torch < 2.13 cannot set up V schedules over gloo (stages send to themselves)")
     covered = set()
     for errors in results()[case]:
         assert all(e is not None and e <= 1e-5 for e in errors.values()), errors

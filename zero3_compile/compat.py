@@ -237,6 +237,84 @@ def default_store() -> dist.Store | None:
         return None
 
 
+# ------------------------------------------------------------------------------- DTensor shards
+
+
+def _version() -> tuple[int, int]:
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def to_local_keeps_missing_gradients() -> bool:
+    """Whether ``DTensor.to_local()``'s backward leaves a missing gradient missing. torch 2.13
+    and 2.14 do; 2.11 turns it into zeros (its ``_ToTorchTensor`` materializes gradients), so a
+    parameter whose shard gets no gradient (sync off: the full gradient goes to the sink; an
+    expert no token reached) would receive a zero gradient instead of none (an optimizer steps
+    it, AccumulateGrad adds it to a pending gradient). 2.12 was not checked: treated as 2.11."""
+    return _version() >= (2, 13)
+
+
+@functools.cache
+def _local_shard_function():
+    """torch 2.11's ``_ToTorchTensor`` (private ``torch.distributed.tensor._api``) with
+    2.13's handling of a missing gradient: none in, none out."""
+    from torch.distributed.tensor._api import _ToTorchTensor
+
+    class LocalShard(_ToTorchTensor):
+        @staticmethod
+        def forward(ctx, dtensor):
+            ctx.set_materialize_grads(False)
+            return _ToTorchTensor.forward(ctx, dtensor, None)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None if grad is None else _ToTorchTensor.backward(ctx, grad)[0]
+
+    return LocalShard
+
+
+def local_shard(dtensor) -> torch.Tensor:
+    """``dtensor.to_local()`` (no ``grad_placements``) whose backward gives no gradient where
+    none came, on every supported torch (``to_local_keeps_missing_gradients``). In a graph
+    dynamo traces, the method call itself (``rewrite_to_local`` swaps it before AOTAutograd)."""
+    if to_local_keeps_missing_gradients() or torch.compiler.is_compiling():
+        return dtensor.to_local()
+    return _local_shard_function().apply(dtensor)
+
+
+def rewrite_to_local(gm, cache_key: str) -> bool:
+    """On torch 2.11, replace ``x.to_local()`` calls of a dynamo graph (and its subgraphs) by
+    ``local_shard(x)``; returns whether anything changed. ``cache_key`` keeps AOTAutograd's
+    cache open to the call (its ``fx.wrap`` convention: ``is_wrapped`` with ``user_cache_hash``;
+    an unknown function otherwise bypasses the cache)."""
+    if to_local_keeps_missing_gradients():
+        return False
+    changed = False
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        touched = False
+        for node in list(graph.nodes):
+            if not (node.op == "call_method" and node.target == "to_local"):
+                continue
+            if len(node.args) != 1 or node.kwargs:
+                continue  # to_local(grad_placements=...): torch's own
+            with graph.inserting_before(node):
+                call = graph.call_function(local_shard, node.args)
+            call.meta = dict(node.meta)
+            call.meta["is_wrapped"] = True
+            call.meta["user_cache_hash"] = cache_key
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            touched = True
+        if touched:
+            graph.lint()
+            module.recompile()
+            changed = True
+    return changed
+
+
 # ------------------------------------------------------------------------------- dynamo graphs
 
 
@@ -508,8 +586,7 @@ def nested_regions_take_dtensor_inputs() -> bool:
     sharded (DTensor) parameters. torch 2.11 does not: its subgraph speculation asserts that
     every lifted input is a FakeTensor ("Expected FakeTensor, got DTensor"); 2.13 and 2.14 do
     (checked); 2.12 was not checked, so it is refused with them."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 13)
+    return _version() >= (2, 13)
 
 
 def boxed_codegen():

@@ -43,6 +43,7 @@ from ..compat import (
     partitioner_base,
     region_schemas_cached,
     register_dynamo_backend,
+    rewrite_to_local,
     stable_mesh_cache_keys,
 )
 from ..runtime.gate import GatedCall
@@ -103,6 +104,8 @@ def zero3_backend(
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
     ctx.gradient_dependencies.update(output_dependencies(gm))
     ctx.group_names = _group_names(gm, example_inputs, opts)
+    # torch 2.11: shards whose gradient is missing stay without one (not zeros)
+    rewrite_to_local(gm, _source_hash())
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     # nested compile regions: torch traces a body again at every call unless cached

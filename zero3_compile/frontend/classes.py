@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..compat import local_shard
 from ..sharding.spec import UNBOUND_ID
 from ..sharding.state import ModuleState, ShardedParam, ShardState, module_state, set_module_state
 from .module import Zero3Module
@@ -146,10 +147,11 @@ def _make_getter(attr: str, state: ShardedParam):
         "        if mode is LOADING:\n"
         f"            return self._parameters[{attr!r}]\n"
         "        sink = param_state.grad_sink\n"
-        f"    shard = self._parameters[{attr!r}].to_local()\n"
         "    if is_compiling():\n"
+        f"        shard = self._parameters[{attr!r}].to_local()\n"
         f"        full = unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
         f"        return {tp('full')}\n"
+        f"    shard = local_shard(self._parameters[{attr!r}])\n"
         "    with param_state.root.active():\n"
         "        spec = param_state.spec.literal()\n"
         "        full = unshard(shard, param_state.param_id, spec, sink)\n"
@@ -160,6 +162,7 @@ def _make_getter(attr: str, state: ShardedParam):
     namespace = {
         "unshard": torch.ops.zero3.unshard.default,
         "is_compiling": torch.compiler.is_compiling,
+        "local_shard": local_shard,
         "gathered_parameter": gathered_parameter,
         "SHARDED": ShardState.SHARDED,
         "KEPT_GATHERED": ShardState.KEPT_GATHERED,

@@ -84,4 +84,6 @@ class _Enter:
 
 class _Exit:
     def __call__(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return  # nothing was gathered (_Enter); torch 2.11's dynamo breaks the graph at pop
         close_scope(module.__dict__.pop("_zero3_unit", ()))

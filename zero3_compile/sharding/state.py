@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..compat import local_shard
 from .spec import ShardSpec
 
 
@@ -121,8 +122,9 @@ class ShardedParam:
         self.state = new
 
     def local(self) -> torch.Tensor:
-        """This rank's shard (a plain tensor sharing the parameter's storage)."""
-        return self.param.to_local()
+        """This rank's shard (a plain tensor sharing the parameter's storage; no gradient
+        flows back to the parameter where none came: ``compat.local_shard``)."""
+        return local_shard(self.param)
 
     def attach(self, param: nn.Parameter) -> None:
         self.param = param
