@@ -544,6 +544,12 @@ def recurrent(rank, world, codegen, cell):
         and tuple(t.shape) in full_sizes
         and not hasattr(t, "to_local")
     ]
+    # an eager read's _base chain ends (torch 2.11's dynamo follows it when such a tensor enters
+    # a compiled frame: a chain of fresh linked views never ended)
+    t, links = model.rnn.weight_ih_l0, 0
+    while t._base is not None and links < 8:
+        t, links = t._base, links + 1
+    out["base_chain"] = (links, type(t).__name__)
     return out
 
 

@@ -171,3 +171,5 @@ def test_recurrent_layers_train_like_eager_and_keep_no_full_weights(codegen, cel
     check_matches_eager(per_rank, 1e-5)
     for r in per_rank:
         assert r["kept_full_weights"] == []
+        links, base = r["base_chain"]
+        assert links < 8 and base != "GatheredParameter", r["base_chain"]

@@ -94,6 +94,10 @@ def _eager_torch_function(func, args, kwargs):
     access = _descriptor_access(func)
     if access == ("grad", "__get__"):
         return args[0]._zero3_link.state.param.grad
+    if access == ("_base", "__get__"):
+        # plain: a linked base would be a fresh view of it, whose _base is another (torch 2.11's
+        # dynamo follows _base chains of its inputs to the end)
+        return _plain(func, args, kwargs)
     if access == ("requires_grad", "__set__") or func is torch.Tensor.requires_grad_:
         value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
         args[0]._zero3_link.state.param.requires_grad_(value)
