@@ -246,12 +246,12 @@ def _version() -> tuple[int, int]:
 
 
 def to_local_keeps_missing_gradients() -> bool:
-    """Whether ``DTensor.to_local()``'s backward leaves a missing gradient missing. torch 2.13
-    and 2.14 do; 2.11 turns it into zeros (its ``_ToTorchTensor`` materializes gradients), so a
+    """Whether ``DTensor.to_local()``'s backward leaves a missing gradient missing. torch 2.12
+    to 2.14 do; 2.11 turns it into zeros (its ``_ToTorchTensor`` materializes gradients), so a
     parameter whose shard gets no gradient (sync off: the full gradient goes to the sink; an
     expert no token reached) would receive a zero gradient instead of none (an optimizer steps
-    it, AccumulateGrad adds it to a pending gradient). 2.12 was not checked: treated as 2.11."""
-    return _version() >= (2, 13)
+    it, AccumulateGrad adds it to a pending gradient)."""
+    return _version() >= (2, 12)
 
 
 @functools.cache
@@ -583,9 +583,9 @@ def _config_has(config_module, key: str) -> bool:
 
 def nested_regions_take_dtensor_inputs() -> bool:
     """Whether dynamo traces a nested compile region (``invoke_subgraph``) whose body reads
-    sharded (DTensor) parameters. torch 2.11 does not: its subgraph speculation asserts that
-    every lifted input is a FakeTensor ("Expected FakeTensor, got DTensor"); 2.13 and 2.14 do
-    (checked); 2.12 was not checked, so it is refused with them."""
+    sharded (DTensor) parameters. torch 2.11 and 2.12 do not: their subgraph speculation asserts
+    that every lifted input is a FakeTensor ("Expected FakeTensor, got DTensor"); 2.13 and 2.14
+    do (all four checked)."""
     return _version() >= (2, 13)
 
 
