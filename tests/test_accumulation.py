@@ -117,7 +117,7 @@ def test_shard_reads_of_torch_2_11_keep_missing_gradients_missing():
     before AOTAutograd: the same for either codegen): sync-off accumulation, where no gradient
     reaches the shard, gives the whole batch's gradients (zeros instead would raise: they are
     added to a pending gradient). The eager reads (``compat.local_shard`` in the getters) are
-    proved on 2.11 itself, by the uncompiled mixture-of-experts and offload tests."""
+    proved on 2.11 itself, by the uncompiled mixture-of-experts test."""
     scenario = ("gpt", "eager", False)
     for r in run_scenarios(_accumulate_as_on_torch_2_11, 2, [scenario])[scenario]:
         assert r["rewritten"] and all(r["rewritten"])  # every graph reads shards as on 2.11
