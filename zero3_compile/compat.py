@@ -289,6 +289,22 @@ def rewrite_to_local(gm, cache_key: str) -> bool:
     an unknown function otherwise bypasses the cache)."""
     if to_local_keeps_missing_gradients():
         return False
+
+    def swap(graph, node):
+        if not (node.op == "call_method" and node.target == "to_local"):
+            return None
+        if len(node.args) != 1 or node.kwargs:
+            return None  # to_local(grad_placements=...): torch's own
+        call = graph.call_function(local_shard, node.args)
+        call.meta.update(is_wrapped=True, user_cache_hash=cache_key)
+        return call
+
+    return _replace_nodes(gm, swap)
+
+
+def _replace_nodes(gm, replacement) -> bool:
+    """In ``gm`` and its subgraphs, put ``replacement(graph, node)`` (a node it inserts, or None
+    to keep ``node``) in each node's place, with the node's meta; returns whether any changed."""
     changed = False
     for module in gm.modules():
         graph = getattr(module, "graph", None)
@@ -296,16 +312,12 @@ def rewrite_to_local(gm, cache_key: str) -> bool:
             continue
         touched = False
         for node in list(graph.nodes):
-            if not (node.op == "call_method" and node.target == "to_local"):
-                continue
-            if len(node.args) != 1 or node.kwargs:
-                continue  # to_local(grad_placements=...): torch's own
             with graph.inserting_before(node):
-                call = graph.call_function(local_shard, node.args)
-            call.meta = dict(node.meta)
-            call.meta["is_wrapped"] = True
-            call.meta["user_cache_hash"] = cache_key
-            node.replace_all_uses_with(call)
+                new = replacement(graph, node)
+            if new is None:
+                continue
+            new.meta = {**node.meta, **new.meta}
+            node.replace_all_uses_with(new)
             graph.erase_node(node)
             touched = True
         if touched:
@@ -335,29 +347,16 @@ def normalize_to_local(gm) -> bool:
     nothing of ours was ever cached. The closure's captured arguments are read to make sure
     there are none (private dynamo detail of 2.11/2.12; 2.13 records a method call itself).
     """
-    changed = False
-    for module in gm.modules():
-        graph = getattr(module, "graph", None)
-        if graph is None:
-            continue
-        touched = False
-        for node in list(graph.nodes):
-            if not (is_dtensor_to_local(node) and node.op == "call_function"):
-                continue
-            captured = [c.cell_contents for c in node.target.__closure__ or ()]
-            if any(captured) or len(node.args) != 1 or node.kwargs:
-                continue  # to_local(grad_placements=...): leave it (not cached)
-            with graph.inserting_before(node):
-                method = graph.call_method("to_local", node.args)
-            method.meta = dict(node.meta)
-            node.replace_all_uses_with(method)
-            graph.erase_node(node)
-            touched = True
-        if touched:
-            graph.lint()
-            module.recompile()
-            changed = True
-    return changed
+
+    def as_method(graph, node):
+        if not (is_dtensor_to_local(node) and node.op == "call_function"):
+            return None
+        captured = [c.cell_contents for c in node.target.__closure__ or ()]
+        if any(captured) or len(node.args) != 1 or node.kwargs:
+            return None  # to_local(grad_placements=...): leave it (not cached)
+        return graph.call_method("to_local", node.args)
+
+    return _replace_nodes(gm, as_method)
 
 
 def checkpoint_hops() -> tuple:
