@@ -240,9 +240,8 @@ def default_store() -> dist.Store | None:
 # ------------------------------------------------------------------------------- DTensor shards
 
 
-def _version() -> tuple[int, int]:
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return major, minor
+# (major, minor) of the running torch: read once (the probes below run on every shard read)
+_TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 def to_local_keeps_missing_gradients() -> bool:
@@ -251,7 +250,7 @@ def to_local_keeps_missing_gradients() -> bool:
     parameter whose shard gets no gradient (sync off: the full gradient goes to the sink; an
     expert no token reached) would receive a zero gradient instead of none (an optimizer steps
     it, AccumulateGrad adds it to a pending gradient)."""
-    return _version() >= (2, 12)
+    return _TORCH >= (2, 12)
 
 
 @functools.cache
@@ -585,7 +584,7 @@ def nested_regions_take_dtensor_inputs() -> bool:
     sharded (DTensor) parameters. torch 2.11 and 2.12 do not: their subgraph speculation asserts
     that every lifted input is a FakeTensor ("Expected FakeTensor, got DTensor"); 2.13 and 2.14
     do (all four checked)."""
-    return _version() >= (2, 13)
+    return _TORCH >= (2, 13)
 
 
 def boxed_codegen():
