@@ -734,8 +734,9 @@ def _launch(command: list[str], cwd: str) -> list[str]:
         os.path.abspath(__file__)))}  # fmt: skip
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [line for line in done.stdout.splitlines() if line.startswith("step")]
-    # the ranks' reports, even where two processes' writes to the shared stdout interleaved
+    # the loss lines and the ranks' reports, even where two processes' writes to the shared
+    # stdout interleaved (seen: "step 3: loss 5.1842rank 1: 62336 of 124672 parameters held")
+    steps = re.findall(r"step \d+: loss \d+\.\d{4}", done.stdout)
     held = re.findall(r"rank \d+: \d+ of \d+ parameters held", done.stdout)
     return steps + held
 
