@@ -153,6 +153,59 @@ def test_reduce_round_trip_gives_each_rank_the_mean_of_its_shard(
             assert torch.equal(got, want.reshape(-1).to(shard_dtype))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_one_pass_copies_equal_the_traced_forms_bit_for_bit(world):
+    """The fixed operations' and the eager schemes' one-pass copies (written into one buffer)
+    against the functional forms traced for Inductor: every dtype pair, shards and gradients not
+    contiguous, an empty parameter, divisions that round."""
+    torch.manual_seed(world)
+    shapes = [*SHAPES, (0, 3)]
+    layouts = [spec_of_shape(tuple(shape), world) for shape in shapes]
+    sizes = arithmetic.sizes(layouts)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    for source, target in [(a, b) for a in dtypes for b in dtypes]:
+        fulls = [(torch.randn(shape) * 100).to(source) for shape in shapes]
+        fulls[0] = fulls[0].t().contiguous().t()  # a column-major gradient
+        shards = [_shard(full, world, world - 1) for full in fulls]
+        shards[0] = shards[0].t().contiguous().t()  # a column-major shard
+        traced = arithmetic.gather_copy_in(shards, sizes, target)
+        direct = arithmetic.gather_copy_in_direct(shards, sizes, target)
+        assert direct.dtype == target and torch.equal(direct, traced)
+        traced = arithmetic.reduce_copy_in(fulls, world, sizes, target)
+        direct = arithmetic.reduce_copy_in_direct(fulls, world, sizes, target)
+        assert direct.shape == traced.shape and torch.equal(direct, traced)
+        reduced = (torch.randn(sum(sizes)) * 1e3).to(source)
+        numels = [min(size, full.numel()) for size, full in zip(sizes, fulls)]
+        for divisor in (1, 2, 3, 7):
+            want = arithmetic.reduce_copy_out(reduced, sizes, numels, divisor, [target] * 6)
+            got = arithmetic.reduce_copy_out_direct(reduced, sizes, numels, divisor, [target] * 6)
+            assert all(g.dtype == target and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("graph_ops", [False, True], ids=["eager", "graph-ops"])
+def test_a_bucket_of_several_is_copied_in_with_one_buffer(graph_ops):
+    """A bucket of several gradients cast to the reduction's dtype (bf16 compute, fp32
+    reduction) and of several shards cast for the gather: one bucket-sized buffer each, not a
+    cast, a padding and a concatenation each allocating one (on CPU their page faults were
+    most of a 3B Llama's copy-in time)."""
+    world = 2
+    shapes = [(96, 64), (33, 64), (64,), (65, 3)]  # padded members among them
+    layouts = [spec_of_shape(shape, world) for shape in shapes]
+    sizes = arithmetic.sizes(layouts)
+    ops = torch.ops.zero3
+    grads = [torch.randn(shape, dtype=torch.bfloat16) for shape in shapes]
+    copy_in = ops.reduce_copy_in.default if graph_ops else arithmetic.reduce_copy_in_direct
+    out_bytes = world * sum(sizes) * 4
+    (peak, flat) = measure_peak_bytes(lambda: copy_in(grads, world, sizes, torch.float32))
+    assert torch.equal(flat, arithmetic.reduce_copy_in(grads, world, sizes, torch.float32))
+    assert out_bytes <= peak < 1.2 * out_bytes, (peak, out_bytes)
+    shards = [_shard(torch.randn(shape), world, 1) for shape in shapes]
+    gather_in = ops.gather_copy_in.default if graph_ops else arithmetic.gather_copy_in_direct
+    (peak, flat) = measure_peak_bytes(lambda: gather_in(shards, sizes, torch.bfloat16))
+    assert torch.equal(flat, arithmetic.gather_copy_in(shards, sizes, torch.bfloat16))
+    assert sum(sizes) * 2 <= peak < 1.2 * sum(sizes) * 2, peak
+
+
 # ------------------------------------------------------------------ sizes past 32-bit offsets
 
 # A Llama-3-70B embedding (1.05G elements) and the MLPs of eight of its blocks: one bucket of them

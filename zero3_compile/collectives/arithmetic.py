@@ -70,6 +70,32 @@ def gather_copy_in(
     return torch.cat(flats)  # (bucket_numel,)
 
 
+def gather_copy_in_direct(
+    shards: Sequence[torch.Tensor], sizes: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``gather_copy_in``'s values written straight into one new buffer: each shard cast as it
+    is copied into its place, the padding zeroed. One pass and one allocation, where the cast,
+    the padding and the concatenation each allocate and write a bucket-sized tensor: on CPU the
+    page faults of fresh memory cost more than the copies: a bucket of a 3B Llama layer's nine
+    gradients (bf16, reduced in fp32) copies in 2.1x faster with half the peak (a lone member,
+    each large matrix at the default ``bucket_mb``, was copied once already). It mutates a
+    buffer of its own, so graphs traced for Inductor keep the functional form; the fixed
+    operations and the eager schemes run this one."""
+    flat = torch.empty(sum(sizes), dtype=dtype, device=shards[0].device)
+    offset = 0
+    for shard, size in zip(shards, sizes):
+        _fill(flat.narrow(0, offset, size), shard)
+        offset += size
+    return flat
+
+
+def _fill(into: torch.Tensor, source: torch.Tensor) -> None:
+    """``into`` (flat): ``source``'s elements, cast, then zeros."""
+    numel = source.numel()
+    into.narrow(0, 0, numel).view(source.shape).copy_(source)
+    into.narrow(0, numel, into.numel() - numel).zero_()
+
+
 def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
     pad = numel - flat.numel()
     return F.pad(flat, (0, pad)) if pad else flat
@@ -149,6 +175,28 @@ def reduce_copy_in(
     return torch.cat(pieces, 1).view(-1)  # (N, bucket_numel) -> (N * bucket_numel,)
 
 
+def reduce_copy_in_direct(
+    grads: Sequence[torch.Tensor], world: int, sizes: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``reduce_copy_in``'s values written straight into one new buffer (as
+    ``gather_copy_in_direct``): gradient i's padded ``(N, size_i)`` rows go to columns
+    ``[o_i, o_i + size_i)`` of the ``(N, bucket_numel)`` buffer, cast as they are copied."""
+    flat = torch.empty(world, sum(sizes), dtype=dtype, device=grads[0].device)
+    offset = 0
+    for grad, size in zip(grads, sizes):
+        if size == 0:  # an empty parameter
+            continue
+        rows = flat.narrow(1, offset, size)  # (N, size): this gradient's columns
+        source = grad.reshape(-1)
+        whole, rest = divmod(source.numel(), size)
+        rows.narrow(0, 0, whole).copy_(source.narrow(0, 0, whole * size).view(whole, size))
+        if whole < world:  # the row the gradient ends in, then rows of padding only
+            _fill(rows[whole], source.narrow(0, whole * size, rest))
+            rows.narrow(0, whole + 1, world - whole - 1).zero_()
+        offset += size
+    return flat.view(-1)
+
+
 def reduce_input(
     grads: Sequence[torch.Tensor],
     world: int,
@@ -178,6 +226,27 @@ def reduce_copy_out(
     shards, offset = [], 0
     for size, numel, dtype in zip(sizes, numels, dtypes):
         shards.append(cast(reduced.narrow(0, offset, numel) / divisor, dtype))
+        offset += size
+    return shards
+
+
+def reduce_copy_out_direct(
+    reduced: torch.Tensor,
+    sizes: Sequence[int],
+    numels: Sequence[int],
+    divisor: int,
+    dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """``reduce_copy_out``'s values, each shard divided and cast in one pass into its own new
+    tensor (the division computes in ``reduced``'s dtype and rounds once on the store, as the
+    division then the cast do)."""
+    if reduced.requires_grad and torch.is_grad_enabled():  # ``out=`` is not differentiable
+        return reduce_copy_out(reduced, sizes, numels, divisor, dtypes)
+    shards, offset = [], 0
+    for size, numel, dtype in zip(sizes, numels, dtypes):
+        shard = torch.empty(numel, dtype=dtype, device=reduced.device)
+        torch.div(reduced.narrow(0, offset, numel), divisor, out=shard)
+        shards.append(shard)
         offset += size
     return shards
 

@@ -13,7 +13,7 @@ from . import arithmetic, quantize
 def gather_copy_in(
     shards: list[torch.Tensor], sizes: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    return arithmetic.gather_copy_in(shards, sizes, dtype)
+    return arithmetic.gather_copy_in_direct(shards, sizes, dtype)
 
 
 @gather_copy_in.register_fake
@@ -35,7 +35,7 @@ def _gather_copy_out_fake(gathered, world, sizes):
 def reduce_copy_in(
     grads: list[torch.Tensor], world: int, sizes: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    return arithmetic.reduce_copy_in(grads, world, sizes, dtype)
+    return arithmetic.reduce_copy_in_direct(grads, world, sizes, dtype)
 
 
 @reduce_copy_in.register_fake
@@ -47,7 +47,7 @@ def _reduce_copy_in_fake(grads, world, sizes, dtype):
 def reduce_copy_out(
     reduced: torch.Tensor, sizes: list[int], numels: list[int], divisor: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    return arithmetic.reduce_copy_out(reduced, sizes, numels, divisor, [dtype] * len(sizes))
+    return arithmetic.reduce_copy_out_direct(reduced, sizes, numels, divisor, [dtype] * len(sizes))
 
 
 @reduce_copy_out.register_fake

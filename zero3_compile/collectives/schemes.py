@@ -83,6 +83,14 @@ def _fixed(emit: Emit, traced_copies: bool) -> bool:
     return emit.in_graph and not traced_copies
 
 
+def _copy(emit: Emit, traced_copies: bool, fixed_op, traced: Callable, direct: Callable):
+    """A copy-in: the fixed operation in graphs; the functional form where it is traced into
+    them (``fused_copies``); on real tensors, the one-pass form that writes into one buffer."""
+    if _fixed(emit, traced_copies):
+        return fixed_op
+    return traced if emit.in_graph else direct
+
+
 # --------------------------------------------------------------------------- gathers
 
 
@@ -123,8 +131,10 @@ class AllGather(GatherScheme):
     def copy_in(self, emit, shards, specs):
         sizes = arithmetic.sizes(specs)
         dtype = self.dtype
-        fn = copy_ops.GATHER_COPY_IN if _fixed(emit, self.traced_copies) else None
-        copy = fn or arithmetic.gather_copy_in
+        copy = _copy(
+            emit, self.traced_copies, copy_ops.GATHER_COPY_IN, arithmetic.gather_copy_in,
+            arithmetic.gather_copy_in_direct,
+        )  # fmt: skip
 
         def flat(*shards):
             return arithmetic.gather_input(shards, sizes, dtype, copy_in=copy)
@@ -269,8 +279,10 @@ class ReduceScheme:
     def copy_in(self, emit: Emit, grads, specs) -> list:
         sizes = arithmetic.sizes(specs)
         world, dtype = self._copy_in_world(), self.dtype
-        fixed = _fixed(emit, self.traced_copies)
-        copy = copy_ops.REDUCE_COPY_IN if fixed else arithmetic.reduce_copy_in
+        copy = _copy(
+            emit, self.traced_copies, copy_ops.REDUCE_COPY_IN, arithmetic.reduce_copy_in,
+            arithmetic.reduce_copy_in_direct,
+        )  # fmt: skip
 
         owned = self._reduces_in_place
 
@@ -302,12 +314,13 @@ class ReduceScheme:
         numels = [math.prod(s) for s in shapes]
         divisor, dtype = self.divisor, self.shard_dtype
         fixed = _fixed(emit, self.traced_copies)
+        copy = arithmetic.reduce_copy_out if emit.in_graph else arithmetic.reduce_copy_out_direct
 
         def shards(r):
             if fixed:
                 flats = copy_ops.REDUCE_COPY_OUT(r, sizes, numels, divisor, dtype)
             else:
-                flats = arithmetic.reduce_copy_out(r, sizes, numels, divisor, [dtype] * len(sizes))
+                flats = copy(r, sizes, numels, divisor, [dtype] * len(sizes))
             return [x.view(shape) for x, shape in zip(flats, shapes)]
 
         return emit.traced(roles.REDUCE_COPY_OUT, shards, [flat])
