@@ -250,6 +250,21 @@ class Phases:
             **{k: after[k] - before[k] for k in after},
         }
 
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """A part of a measured phase, summed over its repetitions (the steady steps' forward,
+        backward and optimizer): seconds and bytes, not memory (the enclosing phase's peak
+        stays whole)."""
+        before = self._counters()
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        after = self._counters()
+        record = self.records.setdefault(name, {"seconds": 0.0, **dict.fromkeys(after, 0)})
+        record["seconds"] += seconds
+        for key in after:
+            record[key] += after[key] - before[key]
+
 
 def _batch(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -266,16 +281,20 @@ def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict, backwar
     (DeepSpeed's engine)."""
     losses = []
 
-    def step(i, phase=_unmeasured):
+    def step(
+        i,
+        phase=_unmeasured,
+        names=("first step: forward (compiles)", "first step: backward", "first step: optimizer"),
+    ):
         ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
-        with phase("first step: forward (compiles)"):
+        with phase(names[0]):
             loss = step_model(input_ids=ids, labels=ids).loss
-        with phase("first step: backward", settle=False):
+        with phase(names[1], settle=False):
             if backward is None:
                 loss.backward()
             else:
                 backward(loss)
-        with phase("first step: optimizer", settle=False):
+        with phase(names[2], settle=False):
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -284,7 +303,12 @@ def _train_phases(phases: Phases, step_model, opt, rank: int, cfg: dict, backwar
     step(0, phases.phase)
     with phases.phase("steps"):
         for i in range(1, cfg["steps"]):
-            step(i)
+            # where the steady step's time goes, summed over the steps (reported after "steps")
+            step(
+                i,
+                lambda name, settle=True: phases.part(name),
+                ("steps: forward", "steps: backward", "steps: optimizer"),
+            )
     return step, losses
 
 
@@ -643,11 +667,10 @@ def report(args, shape, disk, runs, compute) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for phase in per_rank[0]["phases"]:
             records = [r["phases"][phase] for r in per_rank]
-            peaks = [r["peak_rss"] for r in records]
+            peaks = [r.get("peak_rss") for r in records]  # a part of "steps" has none
+            memory = "-" if None in peaks else " / ".join(map(_gb, peaks)) + f" / {_gb(sum(peaks))}"
             lines.append(
-                f"| {phase} | {max(r['seconds'] for r in records):.1f} | "
-                + " / ".join(_gb(p) for p in peaks)
-                + f" / {_gb(sum(peaks))} | "
+                f"| {phase} | {max(r['seconds'] for r in records):.1f} | {memory} | "
                 f"{_gb(sum(max(r['store_read'], r['disk_read']) for r in records))} | "
                 f"{_gb(sum(max(r['store_written'], r['disk_written']) for r in records))} | "
                 f"{max(r['io_s'] for r in records):.1f} | {max(r['wait_s'] for r in records):.1f} |"
