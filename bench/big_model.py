@@ -115,6 +115,11 @@ def parse_args(argv=None):
         help='JSON merged into the deepspeed contender\'s config, e.g. \'{"aio": {"queue_depth": 16}}\'',
     )  # fmt: skip
     parser.add_argument(
+        "--thp", action="store_true",
+        help="ranks started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's mmap'd buffers "
+        "(every large tensor) in transparent huge pages, fewer page faults",
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="drop the page cache before each contender (root): the load reads the disk",
     )  # fmt: skip
@@ -651,7 +656,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}; torch "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -730,6 +735,8 @@ def main(argv=None) -> None:
         shape, model_name = replace(shape, layers=args.layers), f"{args.model}-l{args.layers}"
     os.makedirs(args.out, exist_ok=True)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.world))}
+    if args.thp:  # read by glibc at process start: the ranks' environment, not a call
+        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
     logs = os.path.join(args.out, "logs")
     checkpoint = write_checkpoint(os.path.join(args.cache, model_name), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
