@@ -85,6 +85,10 @@ def parse_args(argv=None):
         "--o-direct", action="store_true",
         help="offload stores opened with O_DIRECT (Offload(o_direct=True), offload_optimizer's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--in-backward", action="store_true",
+        help="offload_optimizer(in_backward=True): each parameter steps during the backward",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--layers", type=int, default=0, help="probe: the model's width at this depth"
@@ -379,6 +383,7 @@ def run_zero3(rank, world, cfg: dict):
             double_buffer=not cfg["single_copy"],
             tile_mb=cfg.get("tile_mb", 64.0),
             o_direct=cfg.get("o_direct", False),
+            in_backward=cfg.get("in_backward", False),
         )
     phases.opt = opt
     if cfg.get("compile_once"):
@@ -660,7 +665,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}; torch "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -746,7 +751,7 @@ def main(argv=None) -> None:
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 single_copy=args.single_copy, o_direct=args.o_direct,
-                tile_mb=args.tile_mb,
+                tile_mb=args.tile_mb, in_backward=args.in_backward,
                 seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
                 compile_once=args.compile_once, ds_config=args.ds_config)  # fmt: skip

@@ -102,6 +102,7 @@ def shard(
             if state is None:
                 state = shard_parameter(param, canonical[id(param)], root, tp_mesh)
                 states[id(param)] = state
+            state.tied = state.tied or canonical[id(param)] != f"{prefix}.{attr}".lstrip(".")
             sub._parameters[attr] = state.param
             own[attr] = state
         owned.append((prefix, sub, own))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 
@@ -132,6 +133,23 @@ class _Version:
             pass
 
 
+class Applied:
+    """The content of a gradient an optimizer stepped with during the backward
+    (``in_backward.py``): reading, scaling or zeroing it asks ``check``, which raises what
+    that would break (zeroing is allowed once the step is committed)."""
+
+    norm = None
+
+    def check(self, what: str) -> None:
+        raise NotImplementedError
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self.check("read")
+
+    def read_part_into(self, out: torch.Tensor, start: int) -> None:
+        self.check("read")
+
+
 class _Cell:
     """What a gradient and its aliases (``detach``, ``view``) hold: the current version and the
     multiplications pending on it; an in-place operation on any alias changes it for all."""
@@ -183,6 +201,8 @@ class SpooledGrad(torch.Tensor):
         self._cell.content, self._cell.factors = version, ()
 
     def _scale(self, factor) -> None:
+        if isinstance(self._content, Applied):
+            self._content.check("scaled")
         self._cell.factors = (*self._cell.factors, _factor(factor))
 
     def materialize(self) -> torch.Tensor:
@@ -254,7 +274,19 @@ def _view(self, size):
 
 
 def _zero_(self):
+    if isinstance(self._content, Applied):
+        self._content.check("zeroed")
     self._set(None)
+    return self
+
+
+def _add_(self, other, alpha=1):
+    """Autograd accumulating a stepped gradient into zeros (``zero_grad(set_to_none=False)``):
+    the placeholder itself."""
+    applied = isinstance(other, SpooledGrad) and isinstance(other._content, Applied)
+    if not (applied and isinstance(self, SpooledGrad) and self._content is None and alpha == 1):
+        return NotImplemented
+    self._set(other._content)
     return self
 
 
@@ -323,6 +355,7 @@ _HANDLERS = {
     aten._unsafe_view.default: _view,
     aten.zero_.default: _zero_,
     aten.add.Tensor: _add,
+    aten.add_.Tensor: _add_,
     aten.mul_.Tensor: _mul_,
     aten.mul_.Scalar: _mul_,
     aten._foreach_mul_.Tensor: _foreach_mul_,
@@ -400,8 +433,15 @@ def register(state) -> None:
 
 
 def state_of_storage(shard: torch.Tensor):
+    key = storage_key(shard)
     with _lock:
-        return _by_storage.get(storage_key(shard))
+        state = _by_storage.get(key)
+        # a key whose storage died (a shard re-registered after its storage changed) can equal
+        # a new storage at the same address: only the state whose shard is that storage counts
+        if state is not None and storage_key(state.local()) != key:
+            del _by_storage[key]
+            return None
+        return state
 
 
 def spool(state, grad: torch.Tensor) -> torch.Tensor:
@@ -420,7 +460,19 @@ def spool_grad(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     state = state_of_storage(shard)
     if state is None or getattr(state.root, "grad_spool", None) is None:
         return grad.clone()
+    taker = _takers.get(state)
+    if taker is not None:
+        return taker(state, grad)
     return spool(state, grad)
+
+
+_takers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardedParam -> taker
+
+
+def take_gradients(state, taker) -> None:
+    """``taker(state, grad)`` receives ``state``'s reduced gradient shards in the backward
+    instead of the spool, and returns what stands for them (``in_backward.py``)."""
+    _takers[state] = taker
 
 
 # gradients the backward left in memory and the parameter's hook spooled (the compiled
@@ -477,4 +529,4 @@ def with_local(param, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-__all__ = ["GradSpool", "SpooledGrad", "spool_gradients"]
+__all__ = ["Applied", "GradSpool", "SpooledGrad", "spool_gradients", "take_gradients"]

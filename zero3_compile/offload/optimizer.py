@@ -28,7 +28,9 @@ what it loaded; ``zero3_compile.save_checkpoint`` / ``load_checkpoint`` (DCP) go
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,13 +62,19 @@ def offload_optimizer(
     o_direct: bool = False,
     poison: bool = False,
     double_buffer: bool = True,
+    in_backward: bool = False,
 ) -> torch.optim.Optimizer:
     """Keep ``optimizer``'s state in ``tier`` ("disk" or, for accelerator models, "cpu") between
     steps; returns the same optimizer object (``isinstance`` checks and DCP keep working).
 
     ``double_buffer=False``: one copy of the state on disk, rewritten in place (half the disk);
     a step that fails on an I/O error then loses the state it was writing (reads of it raise:
-    resume from a checkpoint) instead of keeping the previous one."""
+    resume from a checkpoint) instead of keeping the previous one.
+
+    ``in_backward=True``: each parameter steps during the backward, as soon as its gradient is
+    reduced, so the state's I/O runs beside the backward's compute; ``step()`` waits for the
+    last steps and commits. Needs ``Offload(params=..., grads=...)`` and an elementwise
+    optimizer; refuses gradient clipping, scaling and accumulation (``in_backward.py``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"zero3: offload_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -96,7 +104,22 @@ def offload_optimizer(
             path, "optimizer", rank, threads=threads, o_direct=o_direct, double_buffer=double_buffer
         )
     )
+    if in_backward:
+        from .in_backward import check_setup
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        check_setup(optimizer, {p: state_of(p) for p in params})
     offloaded = _OptimizerOffload(optimizer, store, int(tile_mb * 2**20), read_ahead, poison)
+    if in_backward:
+        from .grads import take_gradients
+        from .in_backward import InBackward
+
+        offloaded.in_backward = InBackward(offloaded)
+        for param in params:
+            # a tied parameter's gradient comes in parts (one per use, eager or across graphs):
+            # it is spooled, and steps in step()
+            if not state_of(param).tied:
+                take_gradients(state_of(param), offloaded.in_backward.take)
     optimizer.__dict__["_zero3_tiled"] = True
     optimizer.__dict__["_zero3_offload"] = offloaded
     optimizer.step = types.MethodType(_step, optimizer)
@@ -113,7 +136,10 @@ def _step(self, closure=None):
             "zero3: an offloaded optimizer steps in tiles and cannot re-evaluate a closure; "
             "compute the loss and call backward() before step()"
         )
-    return self._zero3_offload.step()
+    offloaded = self._zero3_offload
+    if offloaded.in_backward is not None:
+        return offloaded.in_backward.step()
+    return offloaded.step()
 
 
 def _state_dict(self):
@@ -150,11 +176,76 @@ class _Piece:
     stop: int
     last: bool
     slot: int = 0  # of the step's staging pool
+    given: torch.Tensor | None = None  # the gradient shard, handed over by the backward
     # read by the load: the piece's shard, gradient and state values (the step writes the
     # shard's in place); the state the step made, for the write
     shard: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     state: dict[str, Any] = field(default_factory=dict)
+
+
+class _Feed:
+    """The tiles of one stepping pass, in order: all known when ``step()`` starts, or appended
+    as the backward produces gradients (``in_backward``) until ``close()``. A piece's staging
+    slot follows its position, so the tiles in memory together never share one."""
+
+    def __init__(self, slots: int, tiles: list | None = None):
+        self.slots = slots
+        self.tiles: list[list] = []
+        self.closed = False
+        self.cond = threading.Condition()
+        if tiles is not None:
+            self.append(tiles)
+            self.close()
+
+    def append(self, tiles: list[list]) -> None:
+        with self.cond:
+            for tile in tiles:
+                if isinstance(tile[0], _Piece):
+                    tile[0].slot = len(self.tiles) % self.slots
+                self.tiles.append(tile)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def peek(self, i: int) -> list | None:
+        with self.cond:
+            return self.tiles[i] if i < len(self.tiles) else None
+
+    def get(self, i: int) -> list | None:
+        """Tile ``i``, once it is there; None when the feed closed before it."""
+        with self.cond:
+            while i >= len(self.tiles) and not self.closed:
+                self.cond.wait()
+            return self.tiles[i] if i < len(self.tiles) else None
+
+    def stepped(self, tile: list) -> None:
+        """Tile ``tile`` stepped: what it held for the pass can go."""
+
+
+class _Undo:
+    """What undoing a pass over ``params`` needs: the small per-parameter values (step
+    counters) as they were, and which parameters had no state before."""
+
+    def __init__(self, optimizer, params: list):
+        self.params: list = []
+        self.scalars: dict = {}
+        self.fresh: list = []
+        self.add(optimizer, params)
+
+    def add(self, optimizer, params: list) -> None:
+        self.params.extend(params)
+        for param in params:
+            state = optimizer.state.get(param, {})
+            if not state:
+                self.fresh.append(param)
+            for key, value in state.items():
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    copy = value.clone() if isinstance(value, torch.Tensor) else value
+                    self.scalars[(param, key)] = copy
 
 
 class _OptimizerOffload:
@@ -172,6 +263,7 @@ class _OptimizerOffload:
         self._pool: torch.Tensor | None = None  # the pieces' staging buffers, during a step
         self._slot_bytes = 0
         self.grads_read: dict[int, torch.Tensor] = {}  # id(param) -> its spooled gradient, read
+        self.in_backward = None  # in_backward.InBackward, with offload_optimizer(in_backward=True)
 
     # ------------------------------------------------------------------ tensors of a param
 
@@ -286,9 +378,6 @@ class _OptimizerOffload:
             size += nbytes
         if current:
             tiles.append(current)
-        for i, tile in enumerate(tiles):  # slots of the tiles in memory together never collide
-            if isinstance(tile[0], _Piece):
-                tile[0].slot = i % self._slots
         return tiles
 
     @property
@@ -330,28 +419,56 @@ class _OptimizerOffload:
         starts = range(0, numel, per_piece)
         return [_Piece(param, a, min(a + per_piece, numel), a + per_piece >= numel) for a in starts]
 
-    def step(self):
+    def step(self, params: list | None = None, commit: bool = True):
+        """Step ``params`` (default: every parameter with a gradient); ``commit=False`` leaves
+        the new versions pending for the caller's ``_commit``."""
         optimizer = self.optimizer
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        tiles = self._tiles(params)
-        # the small per-parameter values stay in memory (step counters): kept to undo a failure
-        scalars = {
-            (param, key): value.clone() if isinstance(value, torch.Tensor) else value
-            for param in params
-            for key, value in optimizer.state.get(param, {}).items()
-            if not (isinstance(value, torch.Tensor) and value.dim() > 0)
-        }
-        fresh = [p for p in params if not optimizer.state.get(p)]  # state created by this step
+        if params is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        undo = _Undo(optimizer, params)
+        started = {id(p): dict(optimizer.state.get(p, {})) for p in params}
+        feed = _Feed(self._slots, self._tiles(params))
+        self._pool = self._staging_pool(feed.tiles, started)
+        try:
+            self.run(feed, started)
+        except BaseException:
+            self.undo(undo)
+            raise
+        finally:
+            self._pool = None
+        if commit:
+            self._commit(params)
+        return None
+
+    def undo(self, undo: _Undo) -> None:
+        """A pass failed or was refused: its writes forgotten, its values read again from the
+        committed versions, the state it created dropped, the step counters set back."""
+        optimizer = self.optimizer
+        self._abandon(undo.params)
+        self.grads_read.clear()
+        for param in undo.fresh:  # back to "no state yet", as before the step
+            optimizer.state.pop(param, None)
+            for key in [k for k in self.regions if k[0] == id(param)]:
+                self.regions.pop(key)
+                self.evicted.discard(key)
+        for (param, key), value in undo.scalars.items():
+            state = optimizer.state[param]
+            if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                state[key].copy_(value)
+            else:
+                state[key] = value
+
+    def run(self, feed: _Feed, started) -> None:
+        """Step the tiles of ``feed`` as they come: tile i+1 .. i+read_ahead read while tile i
+        steps, tile i-1 written meanwhile. On an error every load and write in flight is
+        waited for before it is raised (the caller then undoes the pass)."""
         loads: dict[int, Future] = {}
         writes: list[Future] = []
-        resident = 0
-
-        started = {id(p): dict(optimizer.state.get(p, {})) for p in params}
-        self._pool = self._staging_pool(tiles, started)
 
         def load(i: int) -> None:
-            if i < len(tiles) and i not in loads:
-                loads[i] = self.workers.submit(self._load_tile, tiles[i], started)
+            tile = feed.peek(i)
+            if tile is not None and i not in loads:
+                loads[i] = self.workers.submit(self._load_tile, tile, started)
 
         def write_and_evict(tile) -> None:
             if isinstance(tile[0], _Piece):
@@ -363,17 +480,16 @@ class _OptimizerOffload:
                 self._evict(param)
 
         try:
-            for i in range(self.read_ahead + 1):
-                load(i)
-            for i, tile in enumerate(tiles):
-                for j in range(i + 1, i + 1 + self.read_ahead):
+            i = 0
+            while (tile := feed.get(i)) is not None:
+                for j in range(i, i + 1 + self.read_ahead):
                     load(j)
                 waited = time.perf_counter()
                 loads.pop(i).result()
                 if i >= 2:  # write-behind one tile deep: memory stays bounded, errors surface
                     writes[i - 2].result()
                 self.store.count_wait(time.perf_counter() - waited)
-                resident = sum(1 for f in loads.values()) + 1 + sum(not w.done() for w in writes)
+                resident = len(loads) + 1 + sum(not w.done() for w in writes)
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)
                 if isinstance(tile[0], _Piece):
                     self._step_piece(tile[0])
@@ -385,6 +501,8 @@ class _OptimizerOffload:
                 else:
                     self._step_tile(tile)
                 writes.append(self.workers.submit(write_and_evict, tile))
+                feed.stepped(tile)
+                i += 1
             waited = time.perf_counter()
             for future in writes:
                 future.result()
@@ -395,24 +513,7 @@ class _OptimizerOffload:
                     future.result()
                 except BaseException:  # noqa: BLE001 - the first error is the one raised
                     pass
-            self._abandon(params)
-            self.grads_read.clear()
-            for param in fresh:  # back to "no state yet", as before the step
-                optimizer.state.pop(param, None)
-                for key in [k for k in self.regions if k[0] == id(param)]:
-                    self.regions.pop(key)
-                    self.evicted.discard(key)
-            for (param, key), value in scalars.items():
-                state = optimizer.state[param]
-                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
-                    state[key].copy_(value)
-                else:
-                    state[key] = value
             raise
-        finally:
-            self._pool = None
-        self._commit(params)
-        return None
 
     def _load_tile(self, tile, started) -> None:
         if not isinstance(tile[0], _Piece):
@@ -440,8 +541,9 @@ class _OptimizerOffload:
             )
         else:  # in memory: stepped in place
             piece.shard = local.view(-1)[start : piece.stop]
-        grad = spooled(param)
-        if grad is not None:
+        if piece.given is not None:  # param.grad is the backward's to set meanwhile
+            piece.grad = piece.given.reshape(-1)[start : piece.stop]
+        elif (grad := spooled(param)) is not None:
             piece.grad = grad.materialize_part(start, take(grad.dtype))
         else:
             piece.grad = _local(param.grad).reshape(-1)[start : piece.stop]
@@ -461,21 +563,23 @@ class _OptimizerOffload:
                 piece.state[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
     def _step_piece(self, piece: _Piece) -> None:
-        """Step one piece as a parameter of its own, with its group's hyperparameters."""
+        """Step one piece as a parameter of its own, with its group's hyperparameters, through
+        a view of the optimizer: its groups and state are never swapped, so the in-backward
+        stepping thread leaves them to the training thread (``zero_grad`` meanwhile)."""
         optimizer = self.optimizer
         alone = torch.nn.Parameter(piece.shard, requires_grad=piece.param.requires_grad)
         alone.grad = piece.grad
+        view = object.__new__(type(optimizer))
+        view.__dict__.update(optimizer.__dict__)  # hyperparameters, defaults, hooks
+        view.param_groups = [
+            dict(g, params=[alone] if any(p is piece.param for p in g["params"]) else [])
+            for g in optimizer.param_groups
+        ]
+        view.state = collections.defaultdict(dict)
         if piece.state:
-            optimizer.state[alone] = piece.state
-        saved = [group["params"] for group in optimizer.param_groups]
-        try:
-            for group in optimizer.param_groups:
-                group["params"] = [alone] if any(p is piece.param for p in group["params"]) else []
-            type(optimizer).step(optimizer)
-        finally:
-            for group, params in zip(optimizer.param_groups, saved):
-                group["params"] = params
-            piece.state = optimizer.state.pop(alone, {})
+            view.state[alone] = piece.state
+        type(optimizer).step(view)
+        piece.state = view.state.pop(alone, {})
         piece.grad = None
         self.pieces_stepped += 1
 

@@ -237,8 +237,15 @@ def _fill(state) -> None:
 
 
 def state_of_storage(shard: torch.Tensor):
+    key = storage_key(shard)
     with _lock:
-        return _by_storage.get(storage_key(shard))
+        state = _by_storage.get(key)
+        # a key whose storage died (a shard re-registered after its storage changed) can equal
+        # a new storage at the same address: only the state whose shard is that storage counts
+        if state is not None and storage_key(state.local()) != key:
+            del _by_storage[key]
+            return None
+        return state
 
 
 def readable(shard: torch.Tensor) -> torch.Tensor:

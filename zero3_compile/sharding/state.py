@@ -88,6 +88,8 @@ class ShardedParam:
     # in-place scalings (divide, number) asked of param.grad while its gradient was pending
     # unreduced, applied when it is reduced (``frontend/pending.py``)
     pending_scalings: list = field(default_factory=list)
+    # held by more than one module attribute (an embedding tied to the output head)
+    tied: bool = False
 
     @property
     def fqn(self) -> str:
