@@ -78,7 +78,9 @@ def identical(rank, world, codegen, optimizer, vocab):
                 else None
             ),
             "pieces": offloaded.pieces_stepped,
-            "evicted": all(p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters()),
+            "evicted": all(
+                p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters()
+            ),
         }
         torch._dynamo.reset()
     mine, plain = runs[True], runs[False]
