@@ -97,6 +97,45 @@ def identical(rank, world, codegen, optimizer, vocab):
     }
 
 
+def inductor(rank, world):
+    """Inductor's code reuses a gradient's buffer once ``spool_grad`` ran, while the spool's
+    write (and the in-backward stepping thread) still reads it: against the same model without
+    offload, compiled alike, losses and parameters are the same bits, both with the gradients
+    spooled for a plain optimizer and stepped in the backward."""
+    config = GPTConfig(n_layer=4, n_embd=32)
+    stepped, stepped_opt = _setup(config, True)
+    torch.manual_seed(0)
+    spooled = GPT(config)
+    z3.shard(spooled, offload=z3.Offload(grads="disk"), sync_timeout_s=120)
+    torch.manual_seed(0)
+    twin = GPT(config)
+    z3.shard(twin, sync_timeout_s=120)
+    runs = []
+    for m, o in (
+        (stepped, stepped_opt),
+        (spooled, torch.optim.AdamW(spooled.parameters(), lr=1e-2, weight_decay=0.1)),
+        (twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)),
+    ):
+        step = torch.compile(m, backend="zero3", options={"codegen": "inductor"})
+        losses = []
+        for i in range(3):
+            loss = gpt_loss(step, _batch(rank, world, config, i))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, z3.full_state_dict(m)))
+        torch._dynamo.reset()
+    twin_losses, twin_params = runs[-1]
+    return {
+        "losses": [losses for losses, _ in runs],
+        "params_equal": [
+            all(torch.equal(params[k], v) for k, v in twin_params.items()) for _, params in runs
+        ],
+        "stepped_in_backward": stepped_opt._zero3_offload.in_backward.stepped_in_backward,
+    }
+
+
 def refusals(rank, world, double_buffer):
     """What needs the gradients after the backward raises, undoes the backward's steps (the
     state after it equals one more plain step from the same point), and training goes on."""
@@ -179,6 +218,14 @@ def refusals(rank, world, double_buffer):
         out["after_step"] = "no error"
     except RuntimeError as error:
         out["after_step"] = str(error)
+    opt.zero_grad()
+
+    def accumulated():  # the backward above ran with sync off: this one sees its pending sinks
+        z3.set_requires_gradient_sync(model, True)
+        gpt_loss(step, _batch(rank, world, config, 2)).backward()
+
+    z3.set_requires_gradient_sync(model, False)
+    attempt("accumulated", accumulated)
     return out
 
 
@@ -193,6 +240,7 @@ CASES = [
     ("identical", None, "sgd", 512),
     ("refusals", True),
     ("refusals", False),
+    ("inductor",),
 ]
 
 
@@ -215,15 +263,24 @@ def test_in_backward_steps_are_bit_identical_to_offload_optimizer(case):
             assert r["pieces"][0] > 0 and r["pieces"][1] > 0, r
 
 
+def test_inductor_gradients_are_copied_before_the_backward_reuses_their_buffers():
+    for r in _results()[("inductor",)]:
+        stepped, spooled, twin = r["losses"]
+        assert stepped == twin and spooled == twin and all(r["params_equal"]), r
+        assert r["stepped_in_backward"] > 0, r
+
+
 def test_what_needs_gradients_after_the_backward_is_refused_and_undone():
     for r in _results()[("refusals", True)]:
-        for name in ("clip", "read", "scale", "lr_change", "dropped", "second_backward"):
+        names = ("clip", "read", "scale", "lr_change", "dropped", "second_backward", "accumulated")
+        for name in names:
             assert r[name].startswith("zero3: "), (name, r[name])
             assert "in_backward=False" in r[name], (name, r[name])
         assert "clip_grad_norm_" in r["clip"]
         assert "second gradient" in r["second_backward"]
         assert "'lr'" in r["lr_change"]
         assert "dropped" in r["dropped"]
+        assert "gradient sync off" in r["accumulated"]
         assert "undone" in r["clip"]
         assert r["params_equal"] and r["state_equal"], r
         assert "zero the gradients" in r["after_step"].lower(), r["after_step"]

@@ -120,7 +120,7 @@ def _backward(ctx, grad):
         with ctx.runtime.active():
             shard_grad = REDUCE_GRAD(grad, ctx.param_id, ctx.spec, ctx.shard_shape, ctx.shard_dtype)
     if ctx.spools:
-        shard_grad = SPOOL_GRAD(shard_grad, ctx.saved_tensors[0])
+        shard_grad = SPOOL_GRAD(shard_grad, ctx.saved_tensors[0], True)
     return shard_grad, None, None, None
 
 
@@ -190,14 +190,18 @@ RELOAD = torch.ops.zero3.reload.default
 
 
 @torch.library.custom_op("zero3::spool_grad", mutates_args=())
-def spool_grad(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+def spool_grad(grad: torch.Tensor, shard: torch.Tensor, owned: bool) -> torch.Tensor:
     """Write a reduced gradient shard to the gradient spool of the parameter whose shard is
-    ``shard``; returns the ``SpooledGrad`` that stands for it (no memory held once written)."""
-    return grad_spool.spool_grad(grad, shard)
+    ``shard``; returns the ``SpooledGrad`` that stands for it (no memory held once written).
+
+    The write (or the in-backward step) reads ``grad`` after the op returned. ``owned=False``
+    (Inductor's graphs: ``lower_reductions``): its buffer is the graph's, reused for a later
+    tensor once this op ran, so the values are copied first."""
+    return grad_spool.spool_grad(grad if owned else grad.clone(), shard)
 
 
 @spool_grad.register_fake
-def _spool_grad_fake(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+def _spool_grad_fake(grad: torch.Tensor, shard: torch.Tensor, owned: bool) -> torch.Tensor:
     return torch.empty_like(grad)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from ...collectives.arithmetic import reduce_bytes
-from ...collectives.ops import REDUCE_GRAD
+from ...collectives.ops import REDUCE_GRAD, SPOOL_GRAD
 from ...collectives.schemes import ReduceScheme, reduce_scheme
 from ...sharding.spec import ShardSpec
 from ..buckets import BucketRecord, GraphEmit, add_record
@@ -62,6 +62,8 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     """
     graph = gm.graph
     fused = ctx.options.fused_copies
+    if ctx.options.codegen == "inductor":
+        _spool_copies(graph)
     buckets: dict[int, list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is REDUCE_GRAD:
@@ -128,6 +130,15 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
                 )
             _replace(bucket.members, shards, graph)
     graph.lint()
+
+
+def _spool_copies(graph: fx.Graph) -> None:
+    """A reduced gradient that ``spool_grad`` writes (or steps) after it returned lives, in
+    Inductor's code, in a buffer that Inductor reuses for a later tensor as soon as its last
+    reader ran: ``spool_grad`` copies it first (``owned=False``)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is SPOOL_GRAD:
+            node.args = (node.args[0], node.args[1], False)
 
 
 @dataclass
