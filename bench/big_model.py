@@ -89,6 +89,10 @@ def parse_args(argv=None):
         "--in-backward", action="store_true",
         help="offload_optimizer(in_backward=True): each parameter steps during the backward",
     )  # fmt: skip
+    parser.add_argument(
+        "--fused-adamw", action="store_true",
+        help="AdamW(fused=True): one kernel per tensor (zero3 contenders)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--layers", type=int, default=0, help="probe: the model's width at this depth"
@@ -374,7 +378,7 @@ def run_zero3(rank, world, cfg: dict):
         )
         model.train()
     phases.model = model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
     if cfg["offload"] == "disk":
         opt = z3.offload_optimizer(
             opt,
@@ -425,7 +429,7 @@ def run_resume(rank, world, cfg: dict):
         offload=offload, mp_policy=policy,
     )  # fmt: skip
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
     if cfg["offload"] == "disk":
         opt = z3.offload_optimizer(
             opt,
@@ -665,7 +669,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}; torch "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}; torch "
         f"{torch.__version__}",
         "",
     ]
@@ -751,7 +755,7 @@ def main(argv=None) -> None:
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
                 single_copy=args.single_copy, o_direct=args.o_direct,
-                tile_mb=args.tile_mb, in_backward=args.in_backward,
+                tile_mb=args.tile_mb, in_backward=args.in_backward, fused_adamw=args.fused_adamw,
                 seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
                 compile_once=args.compile_once, ds_config=args.ds_config)  # fmt: skip

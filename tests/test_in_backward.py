@@ -30,8 +30,9 @@ def _setup(config, in_backward, optimizer="adamw", double_buffer=True, tile_mb=0
     model = GPT(config)
     offload = z3.Offload(params="disk", grads="disk", double_buffer=double_buffer)
     z3.shard(model, offload=offload, sync_timeout_s=120)
-    if optimizer == "adamw":
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer.startswith("adamw"):
+        fused = optimizer == "adamw-fused"  # one kernel per tensor: the whole and a piece alike
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     else:
         inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     opt = z3.offload_optimizer(
@@ -238,6 +239,7 @@ CASES = [
     ("identical", "eager", "adamw", 61),
     ("identical", "eager", "adamw", 512),
     ("identical", None, "sgd", 512),
+    ("identical", "eager", "adamw-fused", 512),
     ("refusals", True),
     ("refusals", False),
     ("inductor",),

@@ -280,6 +280,16 @@ def _zero_(self):
     return self
 
 
+def _foreach_zero_(tensors):
+    """``zero_grad(set_to_none=False)`` of a fused or foreach optimizer: no reads."""
+    for tensor in tensors:
+        if isinstance(tensor, SpooledGrad):
+            _zero_(tensor)
+        else:
+            tensor.zero_()
+    return None
+
+
 def _add_(self, other, alpha=1):
     """Autograd accumulating a stepped gradient into zeros (``zero_grad(set_to_none=False)``):
     the placeholder itself."""
@@ -354,6 +364,7 @@ _HANDLERS = {
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.zero_.default: _zero_,
+    aten._foreach_zero_.default: _foreach_zero_,
     aten.add.Tensor: _add,
     aten.add_.Tensor: _add_,
     aten.mul_.Tensor: _mul_,
