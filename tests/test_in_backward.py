@@ -14,15 +14,7 @@ import zero3_compile as z3
 
 from .dist_utils import run_scenarios
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
-
-
-def _full(state_dict) -> list[torch.Tensor]:
-    state = state_dict["state"]
-    return [
-        v.full_tensor() if hasattr(v, "full_tensor") else v
-        for key in sorted(state)
-        for _, v in sorted(state[key].items())
-    ]
+from .test_offload import _full_optimizer_state
 
 
 def _setup(config, in_backward, optimizer="adamw", double_buffer=True, tile_mb=0.05):
@@ -47,6 +39,21 @@ def _batch(rank, world, config, seed):
     return idx[mine], targets[mine]
 
 
+def _steps(step, opt, rank, world, config, sched=None, alternate=False) -> list[float]:
+    """Three steps on each rank's slice; ``alternate``: zero_grad(set_to_none=False) every
+    other step."""
+    losses = []
+    for i in range(3):
+        loss = gpt_loss(step, _batch(rank, world, config, i))
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=not alternate or i % 2 == 0)
+        losses.append(loss.item())
+    return losses
+
+
 def identical(rank, world, codegen, optimizer, vocab):
     """Three steps with a scheduler, zero_grad both ways; a vocabulary of 512 makes the tied
     embedding larger than a tile (it steps in pieces)."""
@@ -58,20 +65,13 @@ def identical(rank, world, codegen, optimizer, vocab):
         step = model
         if codegen is not None:
             step = torch.compile(model, backend="zero3", options={"codegen": codegen})
-        losses = []
-        for i in range(3):
-            loss = gpt_loss(step, _batch(rank, world, config, i))
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=i % 2 == 0)
-            losses.append(loss.item())
+        losses = _steps(step, opt, rank, world, config, sched, alternate=True)
         offloaded = opt._zero3_offload
         runs[in_backward] = {
             "losses": losses,
             "params": z3.full_state_dict(model),
             "unique_params": len(list(model.parameters())),
-            "state": _full(opt.state_dict()),
+            "state": _full_optimizer_state(opt),
             "windows": offloaded.in_backward.windows if in_backward else None,
             "split": (
                 (offloaded.in_backward.stepped_in_backward, offloaded.in_backward.stepped_after)
@@ -118,13 +118,7 @@ def inductor(rank, world):
         (twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)),
     ):
         step = torch.compile(m, backend="zero3", options={"codegen": "inductor"})
-        losses = []
-        for i in range(3):
-            loss = gpt_loss(step, _batch(rank, world, config, i))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
+        losses = _steps(step, o, rank, world, config)
         runs.append((losses, z3.full_state_dict(m)))
         torch._dynamo.reset()
     twin_losses, twin_params = runs[-1]
@@ -209,7 +203,8 @@ def refusals(rank, world, double_buffer):
     params, twin_params = z3.full_state_dict(model), z3.full_state_dict(twin)
     out["params_equal"] = all(torch.equal(params[k], v) for k, v in twin_params.items())
     out["state_equal"] = all(
-        torch.equal(a, b) for a, b in zip(_full(opt.state_dict()), _full(twin_opt.state_dict()))
+        torch.equal(a, b)
+        for a, b in zip(_full_optimizer_state(opt), _full_optimizer_state(twin_opt))
     )
     # reading a committed gradient after step() also refuses
     gpt_loss(step, _batch(rank, world, config, 3)).backward()
