@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zero3_compile as z3
+from zero3_compile.sharding.state import state_of
 
 from .dist_utils import run_scenarios
 from .models import GPT, GPTConfig, gpt_batch, gpt_loss
@@ -65,6 +66,8 @@ def identical(rank, world, codegen, optimizer, vocab):
         step = model
         if codegen is not None:
             step = torch.compile(model, backend="zero3", options={"codegen": codegen})
+        store = state_of(next(model.parameters())).offload.store
+        read_before = store.bytes_read
         losses = _steps(step, opt, rank, world, config, sched, alternate=True)
         offloaded = opt._zero3_offload
         runs[in_backward] = {
@@ -79,6 +82,13 @@ def identical(rank, world, codegen, optimizer, vocab):
                 else None
             ),
             "pieces": offloaded.pieces_stepped,
+            "shards_read": store.bytes_read - read_before,
+            "reused": offloaded.in_backward.reused_bytes if in_backward else None,
+            "untied_bytes": sum(
+                p.to_local().numel() * p.element_size()
+                for p in model.parameters()
+                if not state_of(p).tied
+            ),
             "evicted": all(
                 p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters()
             ),
@@ -95,6 +105,9 @@ def identical(rank, world, codegen, optimizer, vocab):
         "split": mine["split"],
         "pieces": (mine["pieces"], plain["pieces"]),
         "evicted": mine["evicted"],
+        "shards_read": (mine["shards_read"], plain["shards_read"]),
+        "reused": mine["reused"],
+        "untied_bytes": mine["untied_bytes"],
     }
 
 
@@ -258,6 +271,15 @@ def test_in_backward_steps_are_bit_identical_to_offload_optimizer(case):
         assert after == 3 and in_backward == 3 * (r["unique_params"] - 1), r
         if case[3] == 512:  # the tied embedding steps in pieces in both modes
             assert r["pieces"][0] > 0 and r["pieces"][1] > 0, r
+        # compiled, a step uses the values its backward's gather read: a parameter the backward
+        # gathers reads its shard twice a step (forward, backward), not three times; the others
+        # (position embedding, biases: their gradients need no values) as before
+        mine_read, plain_read = r["shards_read"]
+        assert mine_read == plain_read - r["reused"], r
+        if case[1] is None:  # uncompiled: eager gathers, nothing kept
+            assert r["reused"] == 0, r
+        else:
+            assert r["reused"] > 0.9 * 3 * r["untied_bytes"], r
 
 
 def test_inductor_gradients_are_copied_before_the_backward_reuses_their_buffers():

@@ -170,19 +170,22 @@ mark_side_effect(GUARD)
 
 
 @torch.library.custom_op("zero3::reload", mutates_args=())
-def reload(shard: torch.Tensor) -> torch.Tensor:
+def reload(shard: torch.Tensor, last: bool, owned: bool) -> torch.Tensor:
     """Start reading an offloaded shard back from its store; returns the tensor being filled.
 
     Like a collective's output, it must go through ``wait_tensor`` before it is read: the read
     runs on the store's I/O threads, and its completion is registered as the tensor's work.
+    ``last`` (a backward graph's reload): an optimizer stepping in the backward keeps the values
+    read for the parameter's step; ``owned=False`` (Inductor's graphs, which reuse the buffer
+    after its last use): it keeps a copy (``params.reload_async``).
     """
-    out, wait = reload_async(shard)
+    out, wait = reload_async(shard, last, owned)
     register_wait(out, wait)
     return out
 
 
 @reload.register_fake
-def _reload_fake(shard: torch.Tensor) -> torch.Tensor:
+def _reload_fake(shard: torch.Tensor, last: bool, owned: bool) -> torch.Tensor:
     return torch.empty_like(shard)
 
 

@@ -11,9 +11,12 @@ With parameters and optimizer state on disk a step is mostly I/O: every paramete
 moments read and written back. ``step()`` after the backward runs that I/O after the compute;
 here it runs beside the backward. Each reduced gradient shard (``zero3::spool_grad``, right
 after its bucket's copy-out) goes to a stepping thread instead of the gradient spool: it reads
-the parameter's shard and state, steps them as a parameter of their own with its group's
+the parameter's state, steps it and the shard as a parameter of their own with its group's
 hyperparameters (pieces of ``tile_mb`` for large ones, like ``step()``), and writes them to the
-stores' free slots. ``step()`` waits for the steps still running and commits every region; until
+stores' free slots. The shard's values are those the backward graph reloaded for its gather,
+kept for the step (``zero3::reload(..., last=True)``: the step would read them again right
+after; the kept copy lives until its gradient comes, normally a bucket later); a parameter the
+backward does not gather (its gradient needs no values: a bias, an embedding) reads its shard. ``step()`` waits for the steps still running and commits every region; until
 then the previous values stay current, so a refusal undoes the whole backward's steps (with
 ``double_buffer=False`` there is one copy: the values are lost and reads raise, as after a failed
 ``step()``). The results are the bits of ``offload_optimizer`` without it.
@@ -46,6 +49,9 @@ from .optimizer import _ELEMENTWISE, _Feed, _local, _OptimizerOffload, _Piece, _
 
 # gradient bytes handed to the stepping thread and not stepped yet before the backward waits
 QUEUED_BYTES = 256 * 2**20
+# reloaded shard values kept for steps whose gradients did not come yet (normally a bucket or
+# two: each is taken with its gradient); beyond it the oldest go, and their steps read again
+KEPT_BYTES = 2**30
 
 
 def check_setup(optimizer, states: dict) -> None:
@@ -82,6 +88,7 @@ class InBackward:
         self.windows = 0  # backward windows committed
         self.stepped_in_backward = 0  # parameters stepped during a backward, over all windows
         self.stepped_after = 0  # parameters with gradients from elsewhere, stepped in step()
+        self.reused_bytes = 0  # shard bytes stepped from the backward's reloads, not read again
 
     def take(self, state, grad: torch.Tensor) -> torch.Tensor:
         """``zero3::spool_grad``'s body for this optimizer's parameters (the backward's
@@ -89,6 +96,14 @@ class InBackward:
         if self.window is None:
             self.window = _Window(self)
         return self.window.take(state, grad)
+
+    def keep(self, state, values: torch.Tensor) -> None:
+        """``params.reload_async``'s keeper (the backward's thread): a backward graph read the
+        parameter's shard for its gather; its step uses these values instead of reading them
+        again."""
+        if self.window is None:
+            self.window = _Window(self)
+        self.window.keep(state, values)
 
     def step(self) -> None:
         window, self.window = self.window, None
@@ -141,9 +156,9 @@ class _GradFeed(_Feed):
         piece = tile[0]
         if piece.last:
             with self.cond:
-                self.queued -= piece.given.numel() * piece.given.element_size()
+                self.queued -= _nbytes(piece.given) + _nbytes(piece.values)
                 self.cond.notify_all()
-        piece.given = None
+        piece.given = piece.values = None
 
     def get(self, i: int) -> list | None:
         with self.cond:
@@ -168,6 +183,7 @@ class _Window(Applied):
         self.undo_record = _Undo(optimizer, [])
         self.started: dict[int, dict] = {}
         self.taken: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, torch.Tensor] = {}  # id(param) -> its reloaded values, not taken yet
         self.hyperparameters = _hyperparameters(optimizer)
         self.committed = False
         self.refused: str | None = None
@@ -186,6 +202,15 @@ class _Window(Applied):
 
     # ------------------------------------------------------------------ the backward's side
 
+    def keep(self, state, values: torch.Tensor) -> None:
+        param = state.param
+        if self.refused is not None or id(param) in self.taken or not param.requires_grad:
+            return
+        self.kept.pop(id(param), None)  # a later reload of the same values: the newest stays
+        self.kept[id(param)] = values
+        while sum(map(_nbytes, self.kept.values())) > KEPT_BYTES:
+            self.kept.pop(next(iter(self.kept)))
+
     def take(self, state, grad: torch.Tensor) -> torch.Tensor:
         param = state.param
         offload = self.owner.offload
@@ -203,9 +228,11 @@ class _Window(Applied):
         self.started[id(param)] = dict(offload.optimizer.state.get(param, {}))
         self.taken[id(param)] = param
         pieces = _pieces(offload, param)
+        values = self.kept.pop(id(param), None)  # the backward's reload: not read again
+        self.owner.reused_bytes += _nbytes(values)
         for piece in pieces:
-            piece.given = grad
-        offload.store.count_wait(self.feed.reserve(grad.numel() * grad.element_size()))
+            piece.given, piece.values = grad, values
+        offload.store.count_wait(self.feed.reserve(_nbytes(grad) + _nbytes(values)))
         self.feed.append([[piece] for piece in pieces])
         return SpooledGrad(state.root.grad_spool, _Cell(self), grad.shape, grad.dtype, grad.device)
 
@@ -223,6 +250,7 @@ class _Window(Applied):
         self.feed.close()
         self.thread.join()
         self.owner.offload._pool = None
+        self.kept.clear()  # reloaded, no gradient came (the step reads them as usual)
         if self.error is not None:
             self.undo()
             raise self.error
@@ -274,6 +302,7 @@ class _Window(Applied):
             self.feed.fail()  # the steps not started yet are not taken
             self.thread.join()
             self.owner.offload._pool = None
+            self.kept.clear()
             self.undo()
             stores = [self.owner.offload.store]
             stores += [state_of(p).offload.store for p in self.taken.values()]
@@ -295,6 +324,10 @@ def _pieces(offload: _OptimizerOffload, param) -> list[_Piece]:
     local = _local(param)
     pieces = offload._pieces(param, offload._nbytes(param))
     return pieces or [_Piece(param, 0, local.numel(), True)]
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def _accumulating(state, param) -> str | None:

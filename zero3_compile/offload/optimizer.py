@@ -113,6 +113,7 @@ def offload_optimizer(
     if in_backward:
         from .grads import take_gradients
         from .in_backward import InBackward
+        from .params import keep_reloads
 
         offloaded.in_backward = InBackward(offloaded)
         for param in params:
@@ -120,6 +121,7 @@ def offload_optimizer(
             # it is spooled, and steps in step()
             if not state_of(param).tied:
                 take_gradients(state_of(param), offloaded.in_backward.take)
+                keep_reloads(state_of(param), offloaded.in_backward.keep)
     optimizer.__dict__["_zero3_tiled"] = True
     optimizer.__dict__["_zero3_offload"] = offloaded
     optimizer.step = types.MethodType(_step, optimizer)
@@ -177,6 +179,8 @@ class _Piece:
     last: bool
     slot: int = 0  # of the step's staging pool
     given: torch.Tensor | None = None  # the gradient shard, handed over by the backward
+    values: torch.Tensor | None = None  # the whole shard as the backward's reload read it
+    # (read only: the backward's collective may read it too)
     # read by the load: the piece's shard, gradient and state values (the step writes the
     # shard's in place); the state the step made, for the write
     shard: torch.Tensor | None = None
@@ -534,7 +538,10 @@ class _OptimizerOffload:
             return self._pool[begin : begin + nbytes].view(dtype)
 
         shard = state_of(param)
-        if shard is not None and shard.offload is not None and shard.offload.evicted:
+        if piece.values is not None:
+            # read by the backward's gather (whose collective may still read them): copied
+            piece.shard = take(local.dtype).copy_(piece.values.view(-1)[start : piece.stop])
+        elif shard is not None and shard.offload is not None and shard.offload.evicted:
             piece.shard = take(local.dtype)
             shard.offload.store.read_part(
                 shard.offload.region, piece.shard, start * local.element_size()

@@ -4,9 +4,11 @@ An offloaded shard's tensor keeps its shape but holds no memory while evicted (i
 resized to zero bytes; with ``Offload(poison=True)`` it is filled with NaN instead, so a read
 without a reload shows). It comes back:
 
-- in compiled graphs: ``zero3::reload(shard)`` nodes, issued ahead of the all-gather that needs
-  them and waited (``wait_tensor``) right before the copy-in; the reloaded copy dies after the
-  copy-in, nothing is written back (``passes/lower_gathers.py``, ``passes/prefetch.py``);
+- in compiled graphs: ``zero3::reload(shard, last, owned)`` nodes, issued ahead of the
+  all-gather that needs them and waited (``wait_tensor``) right before the copy-in; the reloaded
+  copy dies after the copy-in, nothing is written back (``passes/lower_gathers.py``,
+  ``passes/prefetch.py``), unless an optimizer that steps in the backward keeps a backward
+  graph's copy for the parameter's step (``keep_reloads``);
 - in eager code (uncompiled models, graph breaks, leaf modules): a synchronous read into a
   temporary (``readable``);
 - for the optimizer step, ``state_dict()`` / ``load_state_dict()`` and checkpoints: loaded into
@@ -25,6 +27,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -258,9 +261,14 @@ def readable(shard: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def reload_async(shard: torch.Tensor):
+def reload_async(shard: torch.Tensor, last: bool = False, owned: bool = True):
     """A new tensor that receives ``shard``'s committed values from its store, and the function
     that waits for it (``wait_tensor`` calls it).
+
+    ``last``: no later read of these values comes before the optimizer steps them (a backward
+    graph's reload): a keeper registered for the parameter (``keep_reloads``) receives them once
+    read, so the step need not read them again; ``owned=False``: the tensor is the graph's
+    (Inductor reuses its buffer after its last use there), so the keeper receives a copy.
 
     Poison mode: the tensor holds NaN and the read only happens when it is waited for, so a
     consumer that reads it without the wait sees NaN, deterministically.
@@ -271,18 +279,35 @@ def reload_async(shard: torch.Tensor):
         out.copy_(shard)
         return out, _done
     record = state.offload
+    store = record.store
+    keeper = _keepers.get(state) if last else None
     if record.poison:
         out.fill_(float("nan"))
-        return out, lambda: record.store.read(record.region, out)
-    future = record.store.read_async(record.region, out)
-    store = record.store
+        future = None
+    else:
+        future = store.read_async(record.region, out)
 
     def wait() -> None:
-        start = time.perf_counter()
-        future.result()
-        store.count_wait(time.perf_counter() - start)
+        if future is None:
+            store.read(record.region, out)
+        else:
+            start = time.perf_counter()
+            future.result()
+            store.count_wait(time.perf_counter() - start)
+        if keeper is not None:
+            keeper(state, out if owned else out.clone())
 
     return out, wait
+
+
+# ShardedParam -> keeper(state, values): receives the values of its backward's reloads
+_keepers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def keep_reloads(state, keeper) -> None:
+    """``keeper(state, values)`` receives ``state``'s shard values each time a backward graph
+    reloads them (``in_backward.py``: the step that follows uses them instead of reading)."""
+    _keepers[state] = keeper
 
 
 def _done() -> None:

@@ -125,9 +125,11 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
 _TEST_ONLY_DROP_RELOAD_WAITS = False
 
 
-def _reloaded(emit: GraphEmit, call: UnshardCall) -> fx.Node:
+def _reloaded(emit: GraphEmit, call: UnshardCall, ctx: PassContext) -> fx.Node:
     """An offloaded shard read back from its store: ``reload`` then ``wait_tensor`` (the read is
-    moved earlier by ``prefetch_reloads``; the wait stays right before the copy-in).
+    moved earlier by ``prefetch_reloads``; the wait stays right before the copy-in). A backward
+    graph's is the step's last read of the shard (``last``: an optimizer stepping in the
+    backward keeps the values); Inductor's graphs own the buffer (``owned=False``).
 
     The read starts from the graph input itself: an evicted shard holds no memory, so not even a
     view of it may run; the views the graph applied to the input are applied to the read copy.
@@ -137,7 +139,9 @@ def _reloaded(emit: GraphEmit, call: UnshardCall) -> fx.Node:
     while is_view(node):
         chain.append(node)
         node = node.args[0]
-    started = emit.node(ROLE_RELOAD, RELOAD, node)
+    last = ctx.graph_kind == "backward"
+    owned = ctx.options.codegen != "inductor"
+    started = emit.node(ROLE_RELOAD, RELOAD, node, last, owned)
     if _TEST_ONLY_DROP_RELOAD_WAITS:  # the poison-mode test's broken schedule
         value = started
     else:
@@ -170,7 +174,7 @@ def _emit_bucket(
         shard_dtype=calls[0].shard.meta["val"].dtype,
     )
     emit = GraphEmit(gm.graph, record, source=members[0])
-    shards = [_reloaded(emit, c) if c.spec.offloaded else c.shard for c in calls]
+    shards = [_reloaded(emit, c, ctx) if c.spec.offloaded else c.shard for c in calls]
     payloads = scheme.copy_in(emit, shards, specs)
     waited = scheme.wait(emit, scheme.issue(emit, payloads))
     fulls = scheme.copy_out(emit, waited, specs)
