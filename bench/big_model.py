@@ -396,6 +396,13 @@ def run_zero3(rank, world, cfg: dict):
     step, losses = _train_phases(phases, step_model, opt, rank, cfg)
     steps = cfg["steps"]
     result = {"phases": phases.records, "losses": losses, "steps": steps}
+    in_backward = getattr(getattr(opt, "_zero3_offload", None), "in_backward", None)
+    if in_backward is not None:  # over all steps: where the stepping thread's time went
+        result["in_backward"] = {
+            "waited_s": in_backward.waited_s,
+            "stepper_waited_s": in_backward.stepper_waited_s,
+            "reused_gb": in_backward.reused_bytes / 1e9,
+        }
     if cfg["checkpoint"] and cfg.get("save"):
         path = os.path.join(cfg["scratch"], "checkpoint")
         with phases.phase("checkpoint save"):
@@ -696,6 +703,18 @@ def report(args, shape, disk, runs, compute) -> str:
         losses = per_rank[0].get("losses")
         if losses:
             lines.append(f"\nlosses {', '.join(f'{x:.4f}' for x in losses)}")
+        if "in_backward" in per_rank[0]:
+            parts = [r["in_backward"] for r in per_rank]
+
+            def each(key: str, fmt: str = "{:.1f}", parts=parts) -> str:
+                return ", ".join(fmt.format(p[key]) for p in parts)
+
+            lines.append(
+                "in the backward, over all steps, per rank: training waited for the stepping "
+                f"thread {each('waited_s')} s; the stepping thread waited for its I/O "
+                f"{each('stepper_waited_s')} s; shard values taken from the backward's reloads "
+                f"{each('reused_gb', '{:.2f}')} GB"
+            )
         steps = per_rank[0]["phases"].get("steps")
         if steps and per_rank[0]["steps"] > 1:
             step_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (

@@ -48,6 +48,7 @@ from .grads import Applied, SpooledGrad, _Cell, spooled
 from .optimizer import _ELEMENTWISE, _Feed, _local, _OptimizerOffload, _Piece, _Undo
 
 # gradient bytes handed to the stepping thread and not stepped yet before the backward waits
+# (the reloaded shard values that go with them hold as much again)
 QUEUED_BYTES = 256 * 2**20
 # reloaded shard values kept for steps whose gradients did not come yet (normally a bucket or
 # two: each is taken with its gradient); beyond it the oldest go, and their steps read again
@@ -89,6 +90,11 @@ class InBackward:
         self.stepped_in_backward = 0  # parameters stepped during a backward, over all windows
         self.stepped_after = 0  # parameters with gradients from elsewhere, stepped in step()
         self.reused_bytes = 0  # shard bytes stepped from the backward's reloads, not read again
+        # seconds the training thread waited for the stepping thread (the backward when more
+        # than ``queued_bytes`` of gradients wait, step() for the last steps), and seconds the
+        # stepping thread waited for its reads and writes (hidden when the backward computes)
+        self.waited_s = 0.0
+        self.stepper_waited_s = 0.0
 
     def take(self, state, grad: torch.Tensor) -> torch.Tensor:
         """``zero3::spool_grad``'s body for this optimizer's parameters (the backward's
@@ -156,7 +162,7 @@ class _GradFeed(_Feed):
         piece = tile[0]
         if piece.last:
             with self.cond:
-                self.queued -= _nbytes(piece.given) + _nbytes(piece.values)
+                self.queued -= _nbytes(piece.given)
                 self.cond.notify_all()
         piece.given = piece.values = None
 
@@ -232,15 +238,23 @@ class _Window(Applied):
         self.owner.reused_bytes += _nbytes(values)
         for piece in pieces:
             piece.given, piece.values = grad, values
-        offload.store.count_wait(self.feed.reserve(_nbytes(grad) + _nbytes(values)))
+        self._waited(self.feed.reserve(_nbytes(grad)))
         self.feed.append([[piece] for piece in pieces])
         return SpooledGrad(state.root.grad_spool, _Cell(self), grad.shape, grad.dtype, grad.device)
 
     # ------------------------------------------------------------------ the stepping thread
 
+    def _waited(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` for the stepping thread."""
+        self.owner.waited_s += seconds
+        self.owner.offload.store.count_wait(seconds)
+
+    def _stepper_waited(self, seconds: float) -> None:
+        self.owner.stepper_waited_s += seconds
+
     def _run(self) -> None:
         try:
-            self.owner.offload.run(self.feed, self.started)
+            self.owner.offload.run(self.feed, self.started, self._stepper_waited)
         except BaseException as error:  # noqa: BLE001 - raised by step()
             self.error = error
             self.feed.fail()
@@ -248,7 +262,9 @@ class _Window(Applied):
     def finish(self) -> None:
         """Wait for every step taken; raise (after undoing them all) what failed or changed."""
         self.feed.close()
+        started = time.perf_counter()
         self.thread.join()
+        self._waited(time.perf_counter() - started)
         self.owner.offload._pool = None
         self.kept.clear()  # reloaded, no gradient came (the step reads them as usual)
         if self.error is not None:

@@ -462,10 +462,12 @@ class _OptimizerOffload:
             else:
                 state[key] = value
 
-    def run(self, feed: _Feed, started) -> None:
+    def run(self, feed: _Feed, started, count_wait=None) -> None:
         """Step the tiles of ``feed`` as they come: tile i+1 .. i+read_ahead read while tile i
         steps, tile i-1 written meanwhile. On an error every load and write in flight is
-        waited for before it is raised (the caller then undoes the pass)."""
+        waited for before it is raised (the caller then undoes the pass). ``count_wait``
+        receives the seconds it waited for I/O (default: the store's, as time training waited)."""
+        count_wait = count_wait or self.store.count_wait
         loads: dict[int, Future] = {}
         writes: list[Future] = []
 
@@ -492,7 +494,7 @@ class _OptimizerOffload:
                 loads.pop(i).result()
                 if i >= 2:  # write-behind one tile deep: memory stays bounded, errors surface
                     writes[i - 2].result()
-                self.store.count_wait(time.perf_counter() - waited)
+                count_wait(time.perf_counter() - waited)
                 resident = len(loads) + 1 + sum(not w.done() for w in writes)
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)
                 if isinstance(tile[0], _Piece):
@@ -510,7 +512,7 @@ class _OptimizerOffload:
             waited = time.perf_counter()
             for future in writes:
                 future.result()
-            self.store.count_wait(time.perf_counter() - waited)
+            count_wait(time.perf_counter() - waited)
         except BaseException:
             for future in list(loads.values()) + writes:
                 try:
