@@ -224,6 +224,13 @@ def _proc_io() -> dict[str, int]:
     return values
 
 
+def _cpu_seconds(path: str) -> float:
+    """User + system CPU seconds of a /proc stat file (a process's or one thread's)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Phases:
     """Per phase: seconds, peak RSS (VmHWM reset at its start), bytes moved, exposed I/O."""
 
@@ -242,6 +249,10 @@ class Phases:
             "wait_s": sum(s.wait_seconds for s in stores),
             "disk_read": io.get("read_bytes", 0),
             "disk_written": io.get("write_bytes", 0),
+            # CPU of the training thread and of all the process's threads (I/O threads, the
+            # in-backward stepping thread, the kernel's page-cache copies on their behalf)
+            "cpu_main_s": _cpu_seconds(f"/proc/self/task/{os.getpid()}/stat"),
+            "cpu_s": _cpu_seconds("/proc/self/stat"),
         }
 
     @contextlib.contextmanager
@@ -688,8 +699,9 @@ def report(args, shape, disk, runs, compute) -> str:
         lines.append("")
     for name, per_rank in runs.items():
         lines += [f"## {name}", "", "| phase | seconds | peak RSS GB (rank 0 / 1 / sum) | "
-                  "read GB | written GB | I/O s (threads) | exposed I/O s |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "read GB | written GB | I/O s (threads) | exposed I/O s | "
+                  "CPU s, training thread / others (rank 0) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for phase in per_rank[0]["phases"]:
             records = [r["phases"][phase] for r in per_rank]
             peaks = [r.get("peak_rss") for r in records]  # a part of "steps" has none
@@ -698,7 +710,9 @@ def report(args, shape, disk, runs, compute) -> str:
                 f"| {phase} | {max(r['seconds'] for r in records):.1f} | {memory} | "
                 f"{_gb(sum(max(r['store_read'], r['disk_read']) for r in records))} | "
                 f"{_gb(sum(max(r['store_written'], r['disk_written']) for r in records))} | "
-                f"{max(r['io_s'] for r in records):.1f} | {max(r['wait_s'] for r in records):.1f} |"
+                f"{max(r['io_s'] for r in records):.1f} | {max(r['wait_s'] for r in records):.1f} | "
+                f"{records[0]['cpu_main_s']:.1f} / "
+                f"{records[0]['cpu_s'] - records[0]['cpu_main_s']:.1f} |"
             )
         losses = per_rank[0].get("losses")
         if losses:
