@@ -46,7 +46,7 @@ from .deferred import StoredTensor, reads_deferred
 from .grads import spooled, with_local
 from .params import _evict as evict_shard
 from .params import _fill as fill_shard
-from .store import DiskStore, HostStore, Region
+from .store import DiskStore, HostStore, Region, aligned_empty
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ class _OptimizerOffload:
             return None
         slot = max(self._piece_bytes(p, started) for p in pieces)
         self._slot_bytes = slot
-        return torch.empty(max(slot * self._slots, 34 * 2**20), dtype=torch.uint8)
+        return aligned_empty((max(slot * self._slots, 34 * 2**20),), torch.uint8)
 
     def _piece_bytes(self, piece: _Piece, started) -> int:
         numel = piece.stop - piece.start
@@ -702,7 +702,8 @@ class _OptimizerOffload:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 64) * 64
+    """Buffers of the staging pool start at 4096-byte boundaries (O_DIRECT, no copy)."""
+    return -(-nbytes // 4096) * 4096
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
