@@ -438,6 +438,83 @@ def test_accumulation_reduces_only_on_the_steps_last_micro_batch():
     assert all(n > 0 for sync, n in counts if sync)
 
 
+def _in_backward_trainer(rank, world, path, out):
+    """The Trainer with parameters, gradients and AdamW state on disk, the optimizer stepping in
+    the backward and not; and the arguments it refuses."""
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    runs = {}
+    for in_backward in (True, False):
+        torch.manual_seed(0)
+        offload = z3.Offload(params="disk", grads="disk")
+        model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, path, offload=offload)
+        opt = z3.offload_optimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+            in_backward=in_backward,
+        )
+        trainer = z3hf.Trainer(
+            model=model,
+            args=_args(os.path.join(out, str(in_backward)), world, max_grad_norm=0.0),
+            train_dataset=token_data(),
+            optimizers=(opt, None),  # the Trainer's linear schedule steps after each step
+            zero3_options={"codegen": "eager"},
+        )
+        trainer.train()
+        runs[in_backward] = {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "loss" in h],
+            "params": z3.full_state_dict(model),
+            "lr": opt.param_groups[0]["lr"],
+            "stepped": opt._zero3_offload.in_backward.stepped_in_backward if in_backward else 0,
+        }
+        torch._dynamo.reset()
+    refused = {}
+    for name, overrides in (
+        ("clip", {}),  # max_grad_norm=1.0, the default
+        ("accumulation", {"max_grad_norm": 0.0, "gradient_accumulation_steps": 2}),
+    ):
+        model = z3hf.from_pretrained(
+            transformers.AutoModelForCausalLM,
+            path,
+            offload=z3.Offload(params="disk", grads="disk"),
+        )
+        opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), in_backward=True)
+        trainer = z3hf.Trainer(
+            model=model,
+            args=_args(os.path.join(out, name), world, **overrides),
+            train_dataset=token_data(),
+            optimizers=(opt, None),
+        )
+        try:
+            trainer.train()
+            refused[name] = "no error"
+        except ValueError as error:
+            refused[name] = str(error)
+    return {"runs": runs, "refused": refused}
+
+
+def test_the_trainer_with_the_optimizer_in_the_backward_trains_like_without_it():
+    """``offload_optimizer(in_backward=True)`` under the Hugging Face Trainer (its scheduler,
+    zero_grad, and the gradient norm it logs): the same bits as stepping after the backward;
+    clipping and accumulation are refused before the first step, naming the arguments to
+    change."""
+    out = os.path.join(folder(), "in-backward")
+    for r in run_ranks(_in_backward_trainer, 2, checkpoints()["gpt2"], out, timeout=900):
+        mine, plain = r["runs"][True], r["runs"][False]
+        assert len(mine["losses"]) == 4 and mine["losses"] == plain["losses"], r["runs"]
+        assert mine["losses"][-1] != mine["losses"][0]
+        # the logged gradient norm is read without the values, the norms taken in the backward
+        assert mine["grad_norms"] == plain["grad_norms"] and mine["grad_norms"][0] > 0
+        assert all(torch.equal(mine["params"][k], v) for k, v in plain["params"].items())
+        assert mine["lr"] == plain["lr"] < 1e-3  # the schedule decayed it alike
+        assert mine["stepped"] > 0
+        assert "max_grad_norm=0" in r["refused"]["clip"], r["refused"]
+        assert "gradient_accumulation_steps=1" in r["refused"]["accumulation"], r["refused"]
+
+
 @functools.cache
 def uninterrupted():
     return _train(2, "zero3-saving", {"save_strategy": "steps", "save_steps": 2})

@@ -40,13 +40,17 @@ def _batch(rank, world, config, seed):
     return idx[mine], targets[mine]
 
 
-def _steps(step, opt, rank, world, config, sched=None, alternate=False) -> list[float]:
+def _steps(step, opt, rank, world, config, sched=None, alternate=False, norms=None) -> list:
     """Three steps on each rank's slice; ``alternate``: zero_grad(set_to_none=False) every
-    other step."""
+    other step; ``norms``: a list that receives each step's gradient norm (clip_grad_norm_
+    with no bound, as the Hugging Face Trainer logs it)."""
     losses = []
     for i in range(3):
         loss = gpt_loss(step, _batch(rank, world, config, i))
         loss.backward()
+        if norms is not None:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            norms.append(torch.nn.utils.clip_grad_norm_(params, float("inf")).item())
         opt.step()
         if sched is not None:
             sched.step()
@@ -68,10 +72,12 @@ def identical(rank, world, codegen, optimizer, vocab):
             step = torch.compile(model, backend="zero3", options={"codegen": codegen})
         store = state_of(next(model.parameters())).offload.store
         read_before = store.bytes_read
-        losses = _steps(step, opt, rank, world, config, sched, alternate=True)
+        norms = []
+        losses = _steps(step, opt, rank, world, config, sched, alternate=True, norms=norms)
         offloaded = opt._zero3_offload
         runs[in_backward] = {
             "losses": losses,
+            "norms": norms,
             "params": z3.full_state_dict(model),
             "unique_params": len(list(model.parameters())),
             "state": _full_optimizer_state(opt),
@@ -97,6 +103,7 @@ def identical(rank, world, codegen, optimizer, vocab):
     mine, plain = runs[True], runs[False]
     return {
         "losses": (mine["losses"], plain["losses"]),
+        "norms": (mine["norms"], plain["norms"]),
         "unique_params": mine["unique_params"],
         "params_equal": all(torch.equal(mine["params"][k], v) for k, v in plain["params"].items()),
         "state_equal": len(mine["state"]) == len(plain["state"])
@@ -264,6 +271,9 @@ def test_in_backward_steps_are_bit_identical_to_offload_optimizer(case):
     for r in _results()[case]:
         mine, plain = r["losses"]
         assert mine == plain and mine[-1] != mine[0], r
+        # the norm of gradients the backward stepped with, read without their values; a clip
+        # that changes nothing (no bound, or the norm under it) passes
+        assert r["norms"][0] == r["norms"][1] and min(r["norms"][0]) > 0, r
         assert r["params_equal"] and r["state_equal"], r
         assert r["windows"] == 3 and r["evicted"], r
         # every parameter but the tied embedding stepped in the backward, 3 times

@@ -27,7 +27,7 @@ from zero3_compile.offload import store as store_module
 from zero3_compile.offload.grads import spooled
 
 from .dist_utils import run_ranks, run_scenarios
-from .models import GPT, gpt_batch, gpt_loss
+from .models import GPT, GPTConfig, gpt_batch, gpt_loss
 
 
 def _optimizer(name, params):
@@ -708,6 +708,25 @@ def test_offload_files_are_unlinked_while_open(tmp_path):
     assert not os.path.exists(os.path.dirname(private.path))
     store.close()
     private.close()
+
+
+def test_to_on_an_offloaded_model_leaves_its_shards_or_refuses_by_name(fake_pg):
+    """``model.to("cpu:0")`` (the Hugging Face Trainer's move) read the evicted shards' missing
+    memory and crashed the process; now a no-op move leaves them in the store, and a cast or a
+    move names the parameter and the fix."""
+    model = GPT(GPTConfig())
+    z3.shard(model, offload=z3.Offload(params="disk"))
+    params = list(model.parameters())
+    evicted = [p.to_local().untyped_storage().nbytes() == 0 for p in params]
+    assert all(evicted)
+    model.to("cpu:0")
+    model.to(torch.float32)
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    with pytest.raises(RuntimeError, match=r"offloaded .* torch.bfloat16 .* before zero3.shard"):
+        model.to(torch.bfloat16)
+    state = z3.full_state_dict(model)  # the values are still read from the store
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
 
 
 def test_o_direct_moves_aligned_tensors_without_a_staging_copy(tmp_path, monkeypatch):

@@ -183,6 +183,13 @@ def base_call(module: nn.Module, name: str, *args):
 def apply_(self: nn.Module, fn, recurse: bool = True):
     """``model.to()`` and friends: apply ``fn`` to the shards, re-attach the parameters' states
     (``swap_tensors`` replaced their contents and attributes)."""
+    evicted = {
+        id(self._parameters.get(attr)): state
+        for attr, state in module_state(self).params.items()
+        if getattr(state, "offload", None) is not None and state.offload.evicted
+    }
+    if evicted:
+        fn = _leaving_evicted_shards(fn, evicted)
     result = base_call(self, "_apply", fn, recurse)
     for attr, state in module_state(self).params.items():
         param = self._parameters.get(attr)
@@ -196,3 +203,26 @@ def apply_(self: nn.Module, fn, recurse: bool = True):
             )
         state.attach(param)
     return result
+
+
+def _leaving_evicted_shards(fn, evicted: dict):
+    """``fn`` for ``_apply``, but a shard offloaded to its store (no memory: its values are in
+    the file) is left as it is when ``fn`` would neither move nor cast it (``model.to("cpu:0")``
+    by the Hugging Face Trainer), and refused by name when it would: its values would be read
+    from memory it no longer has."""
+
+    def apply(tensor):
+        state = evicted.get(id(tensor))
+        if state is None:
+            return fn(tensor)
+        probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+        if probe.dtype == tensor.dtype and probe.device == tensor.device:
+            return tensor
+        raise RuntimeError(
+            f"zero3: {state.fqn} is offloaded (shard(offload=Offload(params=...))): this "
+            f"module._apply() (model.to(), .half(), ...) would make it {probe.dtype} on "
+            f"{probe.device} from {tensor.dtype} on {tensor.device}. Move or cast the model before "
+            "zero3.shard, or compute in another dtype with MixedPrecision"
+        )
+
+    return apply

@@ -129,6 +129,7 @@ class Trainer(transformers.Trainer):
             optimizer, "_zero3_tiled", False
         ):
             self.optimizer = offload_optimizer(optimizer, **self._zero3_optimizer_offload)
+        _check_in_backward(self.optimizer, self.args)
         return self.optimizer
 
     # ------------------------------------------------------------------ training
@@ -171,6 +172,30 @@ class Trainer(transformers.Trainer):
 
     def _load_best_model(self) -> None:
         load_checkpoint(_state_dir(self.state.best_model_checkpoint), self.model)
+
+
+def _check_in_backward(optimizer, args) -> None:
+    """An optimizer given as ``offload_optimizer(..., in_backward=True)`` steps during the
+    backward: refuse, before the first step, the arguments that need the gradients after it."""
+    offload = getattr(getattr(optimizer, "optimizer", optimizer), "_zero3_offload", None)
+    if getattr(offload, "in_backward", None) is None:
+        return
+    needs = []
+    if args.max_grad_norm:
+        needs.append(f"max_grad_norm={args.max_grad_norm} (gradient clipping): max_grad_norm=0")
+    if args.gradient_accumulation_steps > 1:
+        needs.append(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: "
+            "gradient_accumulation_steps=1"
+        )
+    if args.fp16:
+        needs.append("fp16 (loss scaling unscales the gradients): bf16=True instead")
+    if needs:
+        raise ValueError(
+            "zero3: the optimizer steps each parameter during the backward "
+            "(offload_optimizer(in_backward=True)), so the Trainer cannot use its gradients "
+            "afterwards; set TrainingArguments " + "; ".join(needs) + ", or use in_backward=False"
+        )
 
 
 def _state_dir(checkpoint: str) -> str:

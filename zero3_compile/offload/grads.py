@@ -201,6 +201,8 @@ class SpooledGrad(torch.Tensor):
         self._cell.content, self._cell.factors = version, ()
 
     def _scale(self, factor) -> None:
+        if _is_one(factor):  # changes no value (clip_grad_norm_ under its bound multiplies by 1)
+            return
         if isinstance(self._content, Applied):
             self._content.check("scaled")
         self._cell.factors = (*self._cell.factors, _factor(factor))
@@ -252,6 +254,12 @@ def _is_scalar(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dim() == 0
     return isinstance(value, (int, float, bool))
+
+
+def _is_one(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_meta and bool(value == 1)
+    return value == 1
 
 
 def _factor(value):

@@ -16,16 +16,21 @@ hyperparameters (pieces of ``tile_mb`` for large ones, like ``step()``), and wri
 stores' free slots. The shard's values are those the backward graph reloaded for its gather,
 kept for the step (``zero3::reload(..., last=True)``: the step would read them again right
 after; the kept copy lives until its gradient comes, normally a bucket later); a parameter the
-backward does not gather (its gradient needs no values: a bias, an embedding) reads its shard. ``step()`` waits for the steps still running and commits every region; until
-then the previous values stay current, so a refusal undoes the whole backward's steps (with
+backward does not gather (its gradient needs no values: a bias, an embedding) reads its shard.
+``step()`` waits for the steps still running and commits every region; until then the previous
+values stay current, so a refusal undoes the whole backward's steps (with
 ``double_buffer=False`` there is one copy: the values are lost and reads raise, as after a failed
 ``step()``). The results are the bits of ``offload_optimizer`` without it.
 
 A gradient the step already consumed cannot be used for anything else, so this mode refuses, by
-name, what needs the gradients after the backward: ``param.grad`` is a placeholder whose every
-read, scaling or clipping (``clip_grad_norm_``, ``GradScaler.unscale_``), accumulation (a second
-backward before ``step()``, gradient sync turned off), and a learning rate or other
-hyperparameter changed between the backward and ``step()`` raise and undo the backward's steps.
+name, what needs the gradients after the backward: ``param.grad`` is a placeholder that knows
+its 2-norm (taken with the gradient, as the spool computes one: ``clip_grad_norm_`` reads it
+without the values, and a clip that changes nothing, its norm under the bound or no bound as the
+Hugging Face Trainer logs it, passes), but whose every read, scaling (a clip that would scale,
+``GradScaler.unscale_``), accumulation (a second backward before ``step()``, gradient sync
+turned off), and a learning rate or other hyperparameter changed between the backward and
+``step()`` raise and undo the backward's steps. ``z3hf.Trainer`` refuses the arguments that
+need them before the first step (``max_grad_norm`` > 0, gradient accumulation, fp16).
 Gradients that did not come through the backward's reduction (eager code the model's graphs
 do not cover) and those of tied parameters (an embedding tied to the output head: its gradient
 comes in parts, one per use) are spooled and step in ``step()`` as usual.
@@ -178,9 +183,21 @@ class _GradFeed(_Feed):
             self.cond.notify_all()
 
 
-class _Window(Applied):
+class _Taken(Applied):
+    """What ``param.grad`` holds for a gradient a window stepped with: its 2-norm, and the
+    window's rules for anything else."""
+
+    def __init__(self, window: _Window, norm: torch.Tensor):
+        self.window = window
+        self.norm = norm
+
+    def check(self, what: str) -> None:
+        self.window.check(what)
+
+
+class _Window:
     """The steps taken in the backward passes between two ``step()`` calls (one backward: a
-    second one is refused); also what ``param.grad`` holds for each of them."""
+    second one is refused)."""
 
     def __init__(self, owner: InBackward):
         self.owner = owner
@@ -240,7 +257,10 @@ class _Window(Applied):
             piece.given, piece.values = grad, values
         self._waited(self.feed.reserve(_nbytes(grad)))
         self.feed.append([[piece] for piece in pieces])
-        return SpooledGrad(state.root.grad_spool, _Cell(self), grad.shape, grad.dtype, grad.device)
+        # its 2-norm, as the spool computes one for each gradient it writes: a norm is read
+        # without the values (clip_grad_norm_, the Trainer's logged grad_norm)
+        taken = _Taken(self, torch.linalg.vector_norm(grad, 2.0))
+        return SpooledGrad(state.root.grad_spool, _Cell(taken), grad.shape, grad.dtype, grad.device)
 
     # ------------------------------------------------------------------ the stepping thread
 
@@ -281,7 +301,9 @@ class _Window(Applied):
             )
         for param in self.taken.values():
             grad = spooled(param)
-            if grad is None or grad._content is not self:
+            if grad is None or not (
+                isinstance(grad._content, _Taken) and grad._content.window is self
+            ):
                 self._refuse(
                     "a gradient the backward stepped with was dropped or replaced before step() "
                     "(zero_grad() between backward() and step()?)"
@@ -290,7 +312,7 @@ class _Window(Applied):
     def undo(self) -> None:
         self.owner.offload.undo(self.undo_record)
 
-    # ------------------------------------------------------------------ param.grad's content
+    # ------------------------------------------------------------------ param.grad's rules
 
     def check(self, what: str) -> None:
         if self.committed and what == "zeroed":  # zero_grad(set_to_none=False) after step()
