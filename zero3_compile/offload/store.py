@@ -433,23 +433,7 @@ class DiskStore:
     def _transfer_buffered(
         self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool
     ) -> None:
-        view = _memory(tensor)
-        done = 0
-        while done < nbytes:
-            try:
-                if write:
-                    n = os.pwritev(self.fd, [view[done:]], offset + done)
-                else:
-                    n = os.preadv(self.fd, [view[done:]], offset + done)
-            except OSError as error:
-                raise self._io_error(error, write, offset, nbytes) from error
-            if n <= 0:
-                raise OffloadError(
-                    errno.EIO,
-                    f"zero3: short {'write' if write else 'read'} in {self.path!r}: "
-                    f"{done} of {nbytes} bytes at offset {offset}",
-                )
-            done += n
+        self._move(_memory(tensor), offset, write, nbytes)
         if write:
             self.bytes_written += nbytes
         else:
@@ -464,29 +448,34 @@ class DiskStore:
         if tensor.data_ptr() % _ALIGN == 0 and offset % _ALIGN == 0:
             direct = nbytes // _ALIGN * _ALIGN
         if direct:
-            view = _memory(flat[:direct])
-            done = 0
-            while done < direct:
-                try:
-                    if write:
-                        n = os.pwritev(self.fd, [view[done:]], offset + done)
-                    else:
-                        n = os.preadv(self.fd, [view[done:]], offset + done)
-                except OSError as error:
-                    raise self._io_error(error, write, offset, nbytes) from error
-                if n <= 0 or n % _ALIGN:
-                    raise OffloadError(
-                        errno.EIO,
-                        f"zero3: short {'write' if write else 'read'} in {self.path!r}: "
-                        f"{done + max(n, 0)} of {nbytes} bytes at offset {offset}",
-                    )
-                done += n
+            self._move(_memory(flat[:direct]), offset, write, nbytes, block=_ALIGN)
         if nbytes > direct:
             self._staged(flat[direct:], offset + direct, nbytes - direct, write)
         if write:
             self.bytes_written += nbytes
         else:
             self.bytes_read += nbytes
+
+    def _move(self, view: memoryview, offset: int, write: bool, whole: int, block: int = 1):
+        """All of ``view`` written at (or read from) ``offset``, call by call (a call may move
+        fewer bytes; with O_DIRECT each a multiple of ``block``). ``whole``: the transfer's
+        size, for the error."""
+        done = 0
+        while done < len(view):
+            try:
+                if write:
+                    n = os.pwritev(self.fd, [view[done:]], offset + done)
+                else:
+                    n = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise self._io_error(error, write, offset, whole) from error
+            if n <= 0 or n % block:
+                raise OffloadError(
+                    errno.EIO,
+                    f"zero3: short {'write' if write else 'read'} in {self.path!r}: "
+                    f"{done + max(n, 0)} of {whole} bytes at offset {offset}",
+                )
+            done += n
 
     def _staged(self, flat: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
         """O_DIRECT through an aligned staging buffer (a copy per chunk)."""
