@@ -445,6 +445,7 @@ def _in_backward_trainer(rank, world, path, out):
 
     import zero3_compile as z3
     from zero3_compile import hf as z3hf
+    from zero3_compile.sharding.state import state_of
 
     runs = {}
     for in_backward in (True, False):
@@ -469,6 +470,9 @@ def _in_backward_trainer(rank, world, path, out):
             "params": z3.full_state_dict(model),
             "lr": opt.param_groups[0]["lr"],
             "stepped": opt._zero3_offload.in_backward.stepped_in_backward if in_backward else 0,
+            "stepped_after": opt._zero3_offload.in_backward.stepped_after if in_backward else 0,
+            # the loader ties the head to the embedding after shard(): one parameter, two names
+            "tied": [state_of(p).tied for n, p in model.named_parameters() if "wte" in n],
         }
         torch._dynamo.reset()
     refused = {}
@@ -511,6 +515,8 @@ def test_the_trainer_with_the_optimizer_in_the_backward_trains_like_without_it()
         assert all(torch.equal(mine["params"][k], v) for k, v in plain["params"].items())
         assert mine["lr"] == plain["lr"] < 1e-3  # the schedule decayed it alike
         assert mine["stepped"] > 0
+        # the tied embedding's gradient comes in parts in eager code: it steps in step()
+        assert mine["tied"] == [True] and mine["stepped_after"] == 4, r["runs"]
         assert "max_grad_norm=0" in r["refused"]["clip"], r["refused"]
         assert "gradient_accumulation_steps=1" in r["refused"]["accumulation"], r["refused"]
 

@@ -53,7 +53,10 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
     if param is None:
         state.params.pop(name, None)
     else:
-        state.params[name] = state_of(param)
+        shared = state_of(param)
+        if shared.fqn != (f"{state.prefix}.{name}" if state.prefix else name):
+            shared.tied = True  # one parameter under two names (a loader's tie_weights)
+        state.params[name] = shared
     reclass(self)
 
 
@@ -80,6 +83,8 @@ def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
             if shared is None:
                 shared = shard_parameter(param, canonical[id(param)], root)
                 states[id(param)] = shared
+            full_name = ".".join(p for p in (prefix, sub_prefix, attr) if p)
+            shared.tied = shared.tied or shared.fqn != full_name
             sub._parameters[attr] = shared.param
             own[attr] = shared
         full_prefix = f"{prefix}.{sub_prefix}" if sub_prefix else prefix
