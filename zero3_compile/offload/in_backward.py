@@ -104,17 +104,19 @@ class InBackward:
     def take(self, state, grad: torch.Tensor) -> torch.Tensor:
         """``zero3::spool_grad``'s body for this optimizer's parameters (the backward's
         thread): hand the reduced gradient shard to the stepping thread."""
-        if self.window is None:
-            self.window = _Window(self)
-        return self.window.take(state, grad)
+        return self._open().take(state, grad)
 
     def keep(self, state, values: torch.Tensor) -> None:
         """``params.reload_async``'s keeper (the backward's thread): a backward graph read the
         parameter's shard for its gather; its step uses these values instead of reading them
         again."""
+        self._open().keep(state, values)
+
+    def _open(self) -> _Window:
+        """The window of this backward, opened by its first reload or gradient."""
         if self.window is None:
             self.window = _Window(self)
-        self.window.keep(state, values)
+        return self.window
 
     def step(self) -> None:
         window, self.window = self.window, None
