@@ -414,6 +414,10 @@ def run_zero3(rank, world, cfg: dict):
             "stepper_waited_s": in_backward.stepper_waited_s,
             "reused_gb": in_backward.reused_bytes / 1e9,
         }
+    from zero3_compile.offload import host_cache
+
+    if host_cache.installed():
+        result["host_cache"] = host_cache.stats()
     if cfg["checkpoint"] and cfg.get("save"):
         path = os.path.join(cfg["scratch"], "checkpoint")
         with phases.phase("checkpoint save"):
@@ -729,6 +733,19 @@ def report(args, shape, disk, runs, compute) -> str:
                 f"{each('stepper_waited_s')} s; shard values taken from the backward's reloads "
                 f"{each('reused_gb', '{:.2f}')} GB"
             )
+        if "host_cache" in per_rank[0]:
+            caches = [r["host_cache"] for r in per_rank]
+            lines.append(
+                "host cache (blocks of 1 MiB and more), per rank: served from kept blocks "
+                + ", ".join(f"{c['hits']}" for c in caches)
+                + "; newly mapped "
+                + ", ".join(f"{c['misses']}" for c in caches)
+                + "; most in use "
+                + ", ".join(f"{c['peak_live_bytes'] / 1e9:.2f}" for c in caches)
+                + " GB"
+            )
+        elif name.startswith("zero3"):
+            lines.append("host cache: not used (ZERO3_HOST_CACHE_MB=0, or another allocator)")
         steps = per_rank[0]["phases"].get("steps")
         if steps and per_rank[0]["steps"] > 1:
             step_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (

@@ -493,6 +493,8 @@ def _memory(rank, world, offloaded):
     import ctypes
     import gc
 
+    from zero3_compile.offload import host_cache
+
     libc = ctypes.CDLL("libc.so.6")
     # a fixed mmap threshold (M_MMAP_THRESHOLD = -3): large blocks are mapped and unmapped, not
     # kept in glibc's arenas by its dynamic threshold, so RssAnon follows what is held
@@ -529,8 +531,10 @@ def _memory(rank, world, offloaded):
     )
     gc.collect()
     # memory freed by torch goes back to glibc's arenas (the offload's I/O threads allocate in
-    # their own); hand it back to the system before reading what is resident
+    # their own) and, for blocks of 1 MiB and more, to the host cache the disk store installed
+    # (within the most ever in use); hand both back to the system before reading what is resident
     libc.malloc_trim(0)
+    host_cache.trim()
     return {
         "rss_anon": _rss_anon() - baseline,
         # parameters + exp_avg + exp_avg_sq (+ gradients)
@@ -589,9 +593,10 @@ open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 opt.step()
 off = opt._zero3_offload
+from zero3_compile.offload import host_cache
 print(json.dumps({"rise": status("VmHWM") - before, "pieces": off.pieces_stepped,
                   "slots": off._slots, "piece": 48 * 2**20 * 4 // (off.pieces_stepped // 2),
-                  "mapped": mapped}))
+                  "mapped": mapped, "cache": host_cache.stats()}))
 """
 
 
@@ -612,8 +617,8 @@ def test_the_first_offloaded_step_gives_freed_host_memory_back():
     import subprocess
     import sys
 
-    def run(threshold):
-        env = _allocator_env(ZERO3_MMAP_THRESHOLD=threshold)
+    def run(threshold, cache_mb="0"):
+        env = _allocator_env(ZERO3_MMAP_THRESHOLD=threshold, ZERO3_HOST_CACHE_MB=cache_mb)
         out = subprocess.run(
             [sys.executable, "-c", _FIRST_STEP], capture_output=True, text=True, env=env,
             timeout=300,
@@ -621,12 +626,16 @@ def test_the_first_offloaded_step_gives_freed_host_memory_back():
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    fixed, control = run(""), run("0")
-    assert fixed["pieces"] == control["pieces"] == 20
+    # glibc alone (the host cache off), then with the host cache the store also installs
+    fixed, control, cached = run(""), run("0"), run("", cache_mb="")
+    assert fixed["pieces"] == control["pieces"] == cached["pieces"] == 20
     # at most the pieces in memory at once (stepping, read ahead, writes behind), each with its
     # new exp_avg and exp_avg_sq, and 32 MiB of anything else
     bound = fixed["slots"] * 2 * fixed["piece"] + 32 * 2**20
     assert fixed["rise"] <= bound, (fixed["rise"] / 2**20, bound / 2**20)
+    # the cache keeps freed pieces for the next ones, within the high-water mark of those in use
+    assert cached["rise"] <= bound, (cached["rise"] / 2**20, bound / 2**20)
+    assert cached["cache"]["hits"] > 0, cached
     # why (the step's own rise under glibc's default depends on its threads' timing: 117 to
     # 610 MiB measured): glibc serves 16 MiB from the heap by default, from a mapping of its
     # own once the disk store fixed the threshold
@@ -917,3 +926,119 @@ def test_250_mb_offloaded_resume_in_new_processes_bit_identically():
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
         assert len(a["state"]) == len(b["state"]) > 0
         assert all(torch.equal(x, y) for x, y in zip(a["state"], b["state"]))
+
+
+_HOST_CACHE = """
+import json, os, resource, torch
+from zero3_compile.offload import host_cache
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def fill(numel):  # a block touched page by page, as a step's casts and collectives do
+    t = torch.empty(numel)
+    t.fill_(1.0)
+    return t
+
+out = {}
+glibc = fill(2**24)  # 64 MiB under glibc (before the cache): mapped afresh each time
+del glibc
+before = faults()
+del_me = fill(2**24)
+del del_me
+out["glibc_faults"] = faults() - before
+
+out["installed"] = host_cache.install(cap_bytes=256 * 2**20)
+first = fill(2**24)
+ptr = first.data_ptr()
+del first
+before = faults()
+second = fill(2**24)  # the freed block again: no fresh pages
+out["cached_faults"] = faults() - before
+out["same_block"] = second.data_ptr() == ptr
+out["values"] = float(second.sum())
+del second
+out["after_reuse"] = host_cache.stats()
+small = torch.empty(1000)  # below 1 MiB: the allocator the cache replaced
+out["after_small"] = host_cache.stats()
+# a request of another size class gives kept blocks back first: kept + in use never exceed the
+# most ever in use
+other = fill(2**23)
+out["after_other"] = host_cache.stats()
+del other
+# the cap: three blocks in use at once, then freed; at most 64 MiB stay kept
+host_cache.install(cap_bytes=64 * 2**20)
+blocks = [fill(2**23 + i * 2**20) for i in range(3)]
+del blocks
+out["capped"] = host_cache.stats()
+# oneDNN's matmuls take scratch memory through torch's raw interface (one deleter for all)
+m = torch.randn(1024, 1024)
+exact = m @ m
+for _ in range(2):
+    close = torch.allclose((m.bfloat16() @ m.bfloat16()).float(), exact, rtol=0.05, atol=2.0)
+    out["matmul"] = bool(close) and bool(torch.equal(m @ m, exact))
+pid = os.fork()  # a child (a DataLoader's worker) allocates through its copy of the cache
+if pid == 0:
+    torch.set_num_threads(1)  # as a DataLoader's workers do (OpenMP's pool is not forked)
+    os._exit(0 if float(fill(2**24).sum()) == 2**24 else 1)
+out["child_exit"] = os.waitpid(pid, 0)[1]
+host_cache.uninstall()
+out["uninstalled"] = host_cache.stats()
+after = torch.empty(2**24)
+out["after_uninstall"] = host_cache.stats()
+print(json.dumps(out))
+"""
+
+
+def test_the_host_cache_reuses_freed_blocks_within_its_high_water_and_cap(tmp_path):
+    """Large host tensors reuse freed blocks (no page faults the second time), values intact;
+    small ones stay with glibc; what the cache keeps and holds in use together never exceeds the
+    most it held in use, nor the cap; oneDNN's raw allocations and a forked child work."""
+    import json
+    import subprocess
+    import sys
+
+    env = _allocator_env(ZERO3_HOST_CACHE_DIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", _HOST_CACHE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["installed"] is True and got["matmul"] is True
+    pages = 2**24 * 4 // 4096
+    assert got["glibc_faults"] >= 0.9 * pages, got  # the control: every page faults
+    assert got["cached_faults"] < 0.05 * pages, got
+    assert got["same_block"] and got["values"] == 2**24
+    reuse = got["after_reuse"]
+    assert (reuse["hits"], reuse["misses"], reuse["live_bytes"]) == (1, 1, 0), reuse
+    assert reuse["kept_bytes"] == 2**26
+    assert got["after_small"] == reuse  # not through the cache
+    other = got["after_other"]
+    assert other["misses"] == 2 and other["kept_bytes"] + other["live_bytes"] <= 2**26, other
+    capped = got["capped"]
+    assert capped["kept_bytes"] <= 64 * 2**20 and capped["released"] >= 2, capped
+    assert got["child_exit"] == 0
+    assert got["uninstalled"]["kept_bytes"] == 0
+    assert got["after_uninstall"]["misses"] == got["uninstalled"]["misses"]
+    assert list(tmp_path.glob("host_cache-*.so")), "built into ZERO3_HOST_CACHE_DIR"
+
+
+def test_the_disk_store_installs_the_host_cache_unless_told_not_to(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tempfile; from zero3_compile.offload import host_cache;"
+        "from zero3_compile.offload.allocator import settle_host_allocator as s; s();"
+        "print(host_cache.installed())"
+    )
+    seen = {}
+    for name, cap in (("default", ""), ("off", "0")):
+        env = _allocator_env(ZERO3_HOST_CACHE_DIR=str(tmp_path), ZERO3_HOST_CACHE_MB=cap)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        seen[name] = out.stdout.split()[-1]
+    assert seen == {"default": "True", "off": "False"}, seen
+    env = _allocator_env(ZERO3_HOST_CACHE_MB="lots")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "ZERO3_HOST_CACHE_MB='lots'" in out.stderr, out.stderr

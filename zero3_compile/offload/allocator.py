@@ -15,6 +15,10 @@ disk store is created (host memory is then what the user is saving); ``ZERO3_MMA
 (bytes; ``0`` leaves the allocator alone) overrides it. A threshold the user gave glibc
 (``MALLOC_MMAP_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``) and
 another allocator (jemalloc or tcmalloc preloaded) are left alone too.
+
+Blocks of 1 MiB and more then go to torch through a cache of freed blocks (host_cache.py), so
+the large tensors that come and go every step reuse memory instead of mapping it afresh;
+``ZERO3_HOST_CACHE_MB`` caps what it keeps (``0``: not used).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import ctypes.util
 import logging
 import os
 import threading
+
+from . import host_cache
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +46,12 @@ def settle_host_allocator() -> int:
     or 0 where the allocator was left alone. Idempotent."""
     global _settled
     with _lock:
-        if _settled is None:  # a bad ZERO3_MMAP_THRESHOLD raises here, at every store
-            _settled = _settle()
+        if _settled is None:  # a bad ZERO3_MMAP_THRESHOLD or cap raises here, at every store
+            cap = host_cache.cap_from_env()
+            threshold = _settle()
+            if cap and _glibc() is not None:  # under jemalloc or tcmalloc, theirs is the policy
+                host_cache.install(cap)
+            _settled = threshold
         return _settled
 
 
