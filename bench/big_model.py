@@ -129,7 +129,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--thp", action="store_true",
         help="ranks started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1: glibc's mmap'd buffers "
-        "(every large tensor) in transparent huge pages, fewer page faults",
+        "in transparent huge pages, fewer page faults (tensors of 1 MiB and more are the host "
+        "cache's blocks once a disk store opens: add ZERO3_HOST_CACHE_MB=0 to measure glibc's)",
     )  # fmt: skip
     parser.add_argument(
         "--cold", action="store_true",
