@@ -101,6 +101,12 @@ class HostCache final : public c10::Allocator {
     evict_to(0);
   }
 
+  void keep_nothing() {  // from now on a freed block goes back to the system
+    std::lock_guard<std::mutex> lock(mutex_);
+    cap_bytes_ = 0;
+    evict_to(0);
+  }
+
   Stats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_;
@@ -239,14 +245,14 @@ int zero3_host_cache_install(uint64_t cap_bytes, uint64_t min_bytes, int huge_pa
   return c10::GetCPUAllocator() == &cache ? 1 : 0;
 }
 
-// Puts back the allocator the cache replaced (blocks handed out stay valid) and gives back the
-// kept blocks.
+// Puts back the allocator the cache replaced and gives back the kept blocks; blocks handed out
+// stay valid and go back to the system when freed.
 void zero3_host_cache_uninstall() {
   HostCache& cache = HostCache::get();
   if (c10::GetCPUAllocator() == &cache && cache.fallback() != nullptr) {
     c10::SetCPUAllocator(cache.fallback(), /*priority=*/1);
   }
-  cache.trim();
+  cache.keep_nothing();
 }
 
 void zero3_host_cache_trim() {
