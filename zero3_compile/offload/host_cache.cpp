@@ -75,11 +75,10 @@ class HostCache final : public c10::Allocator {
     return *cache;
   }
 
-  void configure(uint64_t cap_bytes, uint64_t min_bytes, int huge_pages) {
+  void configure(uint64_t cap_bytes, uint64_t min_bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     cap_bytes_ = cap_bytes;
     min_bytes_ = min_bytes;
-    huge_pages_ = huge_pages != 0;
     evict_to(cap_bytes_);
   }
 
@@ -156,11 +155,6 @@ class HostCache final : public c10::Allocator {
         throw std::bad_alloc();
       }
     }
-#ifdef MADV_HUGEPAGE
-    if (huge_pages_ && size >= (size_t{4} << 20)) {
-      madvise(ptr, size, MADV_HUGEPAGE);
-    }
-#endif
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.misses += 1;
     note_live(ptr, size);
@@ -223,7 +217,6 @@ class HostCache final : public c10::Allocator {
   c10::Allocator* fallback_ = nullptr;
   uint64_t cap_bytes_ = 0;
   uint64_t min_bytes_ = uint64_t{1} << 20;
-  bool huge_pages_ = false;
   Stats stats_;
   std::list<Kept> lru_;  // front: the most recently freed
   std::unordered_map<size_t, std::vector<std::list<Kept>::iterator>> by_size_;
@@ -235,9 +228,9 @@ class HostCache final : public c10::Allocator {
 extern "C" {
 
 // Installs the cache as torch's CPU allocator; returns 1 if torch now allocates through it.
-int zero3_host_cache_install(uint64_t cap_bytes, uint64_t min_bytes, int huge_pages) {
+int zero3_host_cache_install(uint64_t cap_bytes, uint64_t min_bytes) {
   HostCache& cache = HostCache::get();
-  cache.configure(cap_bytes, min_bytes, huge_pages);
+  cache.configure(cap_bytes, min_bytes);
   c10::Allocator* current = c10::GetCPUAllocator();
   if (current != &cache && cache.set_fallback(current)) {
     c10::SetCPUAllocator(&cache, /*priority=*/1);

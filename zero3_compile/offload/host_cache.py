@@ -63,7 +63,7 @@ def install(cap_bytes: int | None = None, min_bytes: int = MIN_BYTES) -> bool:
         lib = _load()
         if lib is None:
             return False
-        _installed = bool(lib.zero3_host_cache_install(cap_bytes, min_bytes, 0))
+        _installed = bool(lib.zero3_host_cache_install(cap_bytes, min_bytes))
         if not _installed:
             log.info("zero3: torch's CPU allocator was set by someone else; host cache not used")
         return _installed
@@ -123,7 +123,7 @@ def _load() -> ctypes.CDLL | None:
         log.warning("zero3: host cache not built (%s); torch's CPU allocator left as it is", error)
         return None
     lib = ctypes.CDLL(path)
-    lib.zero3_host_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
+    lib.zero3_host_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
     lib.zero3_host_cache_install.restype = ctypes.c_int
     lib.zero3_host_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
     _lib = lib
