@@ -31,6 +31,7 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -133,6 +134,10 @@ def parse_args(argv=None):
         "cache's blocks once a disk store opens: add ZERO3_HOST_CACHE_MB=0 to measure glibc's)",
     )  # fmt: skip
     parser.add_argument(
+        "--zero3-options", default="",
+        help='JSON merged into the zero3 contender\'s compile options, e.g. \'{"reload_depth": 4}\'',
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="drop the page cache before each contender (root): the load reads the disk",
     )  # fmt: skip
@@ -232,13 +237,44 @@ def _cpu_seconds(path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Phases:
-    """Per phase: seconds, peak RSS (VmHWM reset at its start), bytes moved, exposed I/O."""
+def _disk_busy_ms(device: tuple[int, int] | None) -> int:
+    """Milliseconds the block device ``(major, minor)`` had requests in flight since boot
+    (``/proc/diskstats``' io_ticks; the whole device: every rank's I/O, not one process's)."""
+    if device is None:
+        return 0
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if (int(fields[0]), int(fields[1])) == device:
+                return int(fields[12])
+    return 0
 
-    def __init__(self):
+
+def _device_of(folder: str) -> tuple[int, int] | None:
+    """The block device whose /proc/diskstats line counts ``folder``'s I/O (the whole disk of a
+    partition); None where there is none (an overlay, tmpfs)."""
+    os.makedirs(folder, exist_ok=True)
+    dev = os.stat(folder).st_dev
+    device = (os.major(dev), os.minor(dev))
+    sys_path = f"/sys/dev/block/{device[0]}:{device[1]}"
+    if not os.path.exists(sys_path):
+        return None
+    if os.path.exists(os.path.join(sys_path, "partition")):  # the disk it is a part of
+        with open(os.path.join(os.path.realpath(sys_path), "..", "dev")) as f:
+            major, minor = f.read().split(":")
+        device = (int(major), int(minor))
+    return device
+
+
+class Phases:
+    """Per phase: seconds, peak RSS (VmHWM reset at its start), bytes moved, exposed I/O, the
+    scratch disk's busy time."""
+
+    def __init__(self, scratch: str | None = None):
         self.records: dict[str, dict] = {}
         self.model = None
         self.opt = None
+        self.device = _device_of(scratch) if scratch else None
 
     def _counters(self) -> dict:
         stores = _stores(self.model, self.opt) if self.model is not None else []
@@ -254,6 +290,7 @@ class Phases:
             # in-backward stepping thread, the kernel's page-cache copies on their behalf)
             "cpu_main_s": _cpu_seconds(f"/proc/self/task/{os.getpid()}/stat"),
             "cpu_s": _cpu_seconds("/proc/self/stat"),
+            "disk_busy_s": _disk_busy_ms(self.device) / 1e3,
         }
 
     @contextlib.contextmanager
@@ -376,7 +413,7 @@ def run_zero3(rank, world, cfg: dict):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo")
-    phases = Phases()
+    phases = Phases(cfg["scratch"])
     scratch = os.path.join(cfg["scratch"], f"run-{cfg['tag']}")
     offload = _offload(z3, cfg, scratch)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
@@ -404,7 +441,7 @@ def run_zero3(rank, world, cfg: dict):
     phases.opt = opt
     if cfg.get("compile_once"):
         z3.compile_once(model.model.layers)
-    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    step_model = torch.compile(model, backend="zero3", options=_options(cfg))
     step, losses = _train_phases(phases, step_model, opt, rank, cfg)
     steps = cfg["steps"]
     result = {"phases": phases.records, "losses": losses, "steps": steps}
@@ -443,7 +480,7 @@ def run_resume(rank, world, cfg: dict):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo")
-    phases = Phases()
+    phases = Phases(cfg["scratch"])
     scratch = os.path.join(cfg["scratch"], "run-resume")
     offload = _offload(z3, cfg, scratch)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
@@ -466,12 +503,17 @@ def run_resume(rank, world, cfg: dict):
     path = os.path.join(cfg["scratch"], "checkpoint")
     with phases.phase("checkpoint load"):
         state = z3.load_checkpoint(path, model, opt)
-    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    step_model = torch.compile(model, backend="zero3", options=_options(cfg))
     ids = _batch(state["step"], rank, cfg["seq"], cfg["vocab"])
     loss = step_model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     return {"phases": phases.records, "loss": loss.item(), "digest": _digest(model)}
+
+
+def _options(cfg: dict) -> dict:
+    """The zero3 compile options of a run: its codegen and ``--zero3-options``."""
+    return {"codegen": cfg["codegen"], **cfg.get("zero3_options", {})}
 
 
 def run_compute(rank, world, cfg: dict):
@@ -490,7 +532,7 @@ def run_compute(rank, world, cfg: dict):
     )  # fmt: skip
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
-    step_model = torch.compile(model, backend="zero3", options={"codegen": cfg["codegen"]})
+    step_model = torch.compile(model, backend="zero3", options=_options(cfg))
     times = []
     for i in range(5):  # the median of 4 steps: the extrapolation multiplies their noise
         ids = _batch(i, rank, cfg["seq"], cfg["vocab"])
@@ -508,7 +550,7 @@ def run_fsdp2(rank, world, cfg: dict):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo")
-    phases = Phases()
+    phases = Phases(cfg["scratch"])
     with phases.phase("load"):
         # FSDP2 through transformers: meta init, shard, each rank loads every tensor and keeps
         # its part (the usual recipe: from_pretrained on every rank, then fully_shard)
@@ -571,7 +613,7 @@ def run_deepspeed(rank, world, cfg: dict):
     _merge(config, json.loads(cfg.get("ds_config") or "{}"))
     if rank == 0:
         print("[deepspeed] config", json.dumps(config), flush=True)
-    phases = Phases()
+    phases = Phases(cfg["scratch"])
     with phases.phase("load"):
         keep = HfDeepSpeedConfig(config)  # noqa: F841  (from_pretrained reads it while alive)
         # with its bf16 section, as its users load: bf16 parameters (its optimizer keeps the
@@ -658,10 +700,43 @@ def disk_bandwidth(folder: str, size: int = 2 * GiB, block: int = 16 * 2**20) ->
         for offset in range(0, size, block):
             os.preadv(fd, [buffer], offset)
         read_s = time.perf_counter() - start
+        mixed_s = _read_while_writing(fd, folder, size, block)
     finally:
         os.close(fd)
         os.remove(path)
-    return {"write_gbps": size / write_s / 1e9, "read_gbps": size / read_s / 1e9}
+    return {
+        "write_gbps": size / write_s / 1e9,
+        "read_gbps": size / read_s / 1e9,
+        "mixed_gbps": 2 * size / mixed_s / 1e9,
+    }
+
+
+def _read_while_writing(fd: int, folder: str, size: int, block: int) -> float:
+    """Seconds to read ``size`` bytes of ``fd`` while another thread writes as many to a second
+    file (O_DIRECT, ``block`` bytes per call): the traffic of an offloaded backward, which reads
+    and writes state at once."""
+    path = os.path.join(folder, "bandwidth-mixed.bin")
+    out = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        os.posix_fallocate(out, 0, size)
+
+        def write() -> None:
+            buffer = mmap.mmap(-1, block)
+            for offset in range(0, size, block):
+                os.pwritev(out, [buffer], offset)
+            os.fsync(out)
+
+        writer = threading.Thread(target=write)
+        buffer = mmap.mmap(-1, block)
+        start = time.perf_counter()
+        writer.start()
+        for offset in range(0, size, block):
+            os.preadv(fd, [buffer], offset)
+        writer.join()
+        return time.perf_counter() - start
+    finally:
+        os.close(out)
+        os.remove(path)
 
 
 def drop_page_cache() -> None:
@@ -681,6 +756,12 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
 
+def _busy(record: dict) -> str:
+    """The share of a phase the scratch disk had requests in flight (any process's)."""
+    busy = record.get("disk_busy_s", 0.0)
+    return f"{busy / record['seconds']:.0%}" if busy and record["seconds"] else "-"
+
+
 def report(args, shape, disk, runs, compute) -> str:
     import transformers
 
@@ -692,21 +773,23 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}; torch "
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}"
+        f"{'; zero3 options ' + args.zero3_options if args.zero3_options else ''}; torch "
         f"{torch.__version__}",
         "",
     ]
     if disk:
         lines.append(
             f"Disk (O_DIRECT, 16 MiB blocks): write {disk['write_gbps']:.2f} GB/s, read "
-            f"{disk['read_gbps']:.2f} GB/s."
+            f"{disk['read_gbps']:.2f} GB/s; reading and writing at once {disk['mixed_gbps']:.2f} "
+            "GB/s together."
         )
         lines.append("")
     for name, per_rank in runs.items():
         lines += [f"## {name}", "", "| phase | seconds | peak RSS GB (rank 0 / 1 / sum) | "
-                  "read GB | written GB | I/O s (threads) | exposed I/O s | "
+                  "read GB | written GB | I/O s (threads) | exposed I/O s | disk busy | "
                   "CPU s, training thread / others (rank 0) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for phase in per_rank[0]["phases"]:
             records = [r["phases"][phase] for r in per_rank]
             peaks = [r.get("peak_rss") for r in records]  # a part of "steps" has none
@@ -716,6 +799,7 @@ def report(args, shape, disk, runs, compute) -> str:
                 f"{_gb(sum(max(r['store_read'], r['disk_read']) for r in records))} | "
                 f"{_gb(sum(max(r['store_written'], r['disk_written']) for r in records))} | "
                 f"{max(r['io_s'] for r in records):.1f} | {max(r['wait_s'] for r in records):.1f} | "
+                f"{_busy(records[0])} | "
                 f"{records[0]['cpu_main_s']:.1f} / "
                 f"{records[0]['cpu_s'] - records[0]['cpu_main_s']:.1f} |"
             )
@@ -770,6 +854,12 @@ def report(args, shape, disk, runs, compute) -> str:
                 f"GB written per step; bound {bound:.1f} s; step / bound "
                 f"{step_s / bound if bound else float('nan'):.2f}"
             )
+            if disk:  # the same bytes at the rate of reads and writes at once
+                mixed = (moved_read + moved_written) / n / (disk["mixed_gbps"] * 1e9)
+                lines.append(
+                    f"the same bytes read and written at once: {mixed:.1f} s; step / "
+                    f"max(compute, that) {step_s / max(compute or 0.0, mixed):.2f}"
+                )
         load = per_rank[0]["phases"].get("load")
         if load and disk:
             read = sum(max(r["phases"]["load"]["disk_read"], 0) for r in per_rank)
@@ -809,7 +899,8 @@ def main(argv=None) -> None:
                 tile_mb=args.tile_mb, in_backward=args.in_backward, fused_adamw=args.fused_adamw,
                 seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
-                compile_once=args.compile_once, ds_config=args.ds_config)  # fmt: skip
+                compile_once=args.compile_once, ds_config=args.ds_config,
+                zero3_options=json.loads(args.zero3_options or "{}"))  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
     if len(depths) >= 2:
