@@ -177,6 +177,78 @@ def test_quantized_reduction_gives_each_rank_the_mean_of_its_rows_within_the_bou
                 assert (got - expected).abs().max() <= step * (1 + 1e-5), (i, rank)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_owners_own_row_is_summed_exactly(bits, world):
+    """A rank's own row never crosses the wire: its copy-in keeps it exact beside the payload
+    and its copy-out sums it in place of the quantized copy. The others' gradients zero (they
+    quantize to exact zeros): each rank's shards are its own gradients / N, to the bit; random
+    gradients: within the N - 1 other contributions' steps, divided by N."""
+    torch.manual_seed(7 * bits + world)
+    specs = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
+    schemes = [
+        QuantizedReduceScatter(
+            torch.float32,
+            torch.float32,
+            world_size=world,
+            group="g",
+            quantization=quantize.Quantization(bits, 16),
+            own_rank=rank,
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+
+    def reduce(grads):  # rank -> its shards, through a simulated all-to-all
+        sent = [schemes[r].copy_in(EAGER, grads[r], specs) for r in range(world)]
+        assert all(len(payloads) == 2 for payloads in sent)  # the payload and the own row
+        rows = [payload.view(world, -1) for payload, _ in sent]
+        out = []
+        for rank in range(world):
+            received = torch.cat([rows[sender][rank] for sender in range(world)])
+            works = schemes[rank].issue(_Received(received), 0, sent[rank])
+            waited = schemes[rank].wait(_Received(received), 0, works)
+            shapes = [_shard(torch.empty(shape), world, rank).shape for shape in SHAPES]
+            out.append(schemes[rank].copy_out(EAGER, waited, specs, shapes))
+        return out
+
+    for owner in range(world):
+        grads = [
+            [torch.randn(shape) if r == owner else torch.zeros(shape) for shape in SHAPES]
+            for r in range(world)
+        ]
+        shards = reduce(grads)
+        for i in range(len(SHAPES)):
+            want = _shard(grads[owner][i] / world, world, owner)
+            assert torch.equal(shards[owner][i], want), (owner, i)
+    grads = [[torch.randn(shape) for shape in SHAPES] for _ in range(world)]
+    step = max(g.abs().max() for rank_grads in grads for g in rank_grads) / quantize.LEVELS[bits]
+    for rank, shards in enumerate(reduce(grads)):
+        for i, got in enumerate(shards):
+            want = _shard(sum(g[i] for g in grads) / world, world, rank)
+            assert got.shape == want.shape
+            if want.numel():
+                error = (got - want).abs().max()
+                assert error <= step * (world - 1) / world * (1 + 1e-5), (rank, i)
+
+
+class _Received:
+    """An ``Emit`` whose all-to-all returns what the simulated exchange delivered."""
+
+    in_graph = False
+
+    def __init__(self, received: torch.Tensor):
+        self.received = received
+
+    def collective(self, role, group_role, target, *args, full_bytes=None):
+        return self.received
+
+    def wait(self, role, work):
+        return work
+
+    def traced(self, role, fn, inputs):
+        return fn(*inputs)
+
+
 def test_options_are_validated_with_the_fix():
     for options, words in (
         ({"weight_quantization": "int4"}, "'int8' or None"),

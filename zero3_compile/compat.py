@@ -181,6 +181,15 @@ def backend_of(group_name: str) -> str:
         return ""
 
 
+def group_rank(group_name: str) -> int | None:
+    """This process's rank in the process group a graph names; None when the name resolves to
+    no group of this process (a graph read offline)."""
+    try:
+        return resolve_group(group_name).rank()
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
     """This rank's index in ``group_name`` where its reduce-scatters are to be issued as in-place
     all-reduces of the copy-in's buffer (the caller keeps its own rows), else None: on gloo

@@ -24,7 +24,8 @@ cast, copy-in, collective, copy-out and division exist once, for both.
   sharding: the mean over every rank of the mesh).
 - ``QuantizedReduceScatter`` (ZeRO++'s qgZ): each rank's N rows of the bucket quantized
   (stochastic rounding: the mean stays unbiased), sent to their owners with one all-to-all,
-  dequantized and summed there (in the reduction dtype); ``QuantizedHybridReduce`` sums the
+  dequantized and summed there (in the reduction dtype) with the owner's own row exact (it
+  never crosses the wire); ``QuantizedHybridReduce`` sums the
   reduced shards across the replicas compressed too (a quantized all-to-all, then a quantized
   all-gather of the summed chunks).
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
@@ -49,7 +50,7 @@ from ..compat import ALL_REDUCE as ALL_REDUCE_OP
 from ..compat import ALL_REDUCE_INPLACE as ALL_REDUCE_INPLACE_OP
 from ..compat import ALL_TO_ALL as ALL_TO_ALL_OP
 from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
-from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce
+from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce, group_rank
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
 from .quantize import Quantization, numel_of_payload, padded_numel, payload_bytes
@@ -395,13 +396,20 @@ class ReduceScatter(ReduceScheme):
 class QuantizedReduceScatter(ReduceScatter):
     """qgZ: the bucket's ``(world, bucket_numel)`` rows (row r: what rank r keeps) quantized row
     by row, exchanged with one all-to-all (rank r receives every rank's row r), then dequantized
-    and summed in the reduction dtype; the copy-out divides by N as a reduce-scatter's does."""
+    and summed in the reduction dtype; the copy-out divides by N as a reduce-scatter's does.
+
+    ``own_rank`` set (this rank's index in the shard group): its own row never crosses the wire,
+    so it is summed exactly, kept from the copy-in beside the payload (1/N of the bucket), and
+    only the other N - 1 contributions carry quantization noise (on 2 ranks, half the
+    variance, for no byte more). None (a graph read without its process group): every row is
+    summed as received."""
 
     quantization: Quantization = Quantization(8, 256)
+    own_rank: int | None = None
     compresses: ClassVar[bool] = True
 
     def key(self) -> tuple:
-        return (*super().key(), self.quantization)
+        return (*super().key(), self.quantization, self.own_rank)
 
     def copy_in(self, emit, grads, specs):
         (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
@@ -410,33 +418,52 @@ class QuantizedReduceScatter(ReduceScatter):
         def payload(flat):  # gradients: stochastically, so the mean stays unbiased
             return copy_ops.QUANTIZE_ROWS(flat.view(world, -1), block, bits, True).view(-1)
 
-        return [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
+        payloads = [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
+        if self.own_rank is not None:
+            rank = self.own_rank
+
+            def own(flat):  # a copy: the copy-in's whole buffer is not kept for it
+                return flat.view(world, -1)[rank].clone()
+
+            payloads.append(emit.traced(roles.REDUCE_COPY_IN, own, [flat]))
+        return payloads
 
     def issue(self, emit, stage, payloads):
-        (payload,) = payloads  # (world * payload_bytes,) uint8
+        payload, *own = payloads  # (world * payload_bytes,) uint8; this rank's exact row
         value = payload.meta["val"] if emit.in_graph else payload
         rows = [value.shape[0] // self.world_size] * self.world_size  # bytes to and from each
         work = emit.collective(
             roles.REDUCE_SCATTER, roles.GROUP_SHARD, ALL_TO_ALL_OP, payload, rows, rows, self.group
         )
-        return [work]
+        return [work, *own]
+
+    def wait(self, emit, stage, works):
+        if stage > 0:
+            return super().wait(emit, stage, works)
+        work, *own = works  # the exact row is a value, not a collective
+        return [emit.wait(self.stage_roles[0][1], work), *own]
 
     def _summed_fn(self):
-        """received (world * payload_bytes,): every rank's quantized row of ours -> their sum
-        (bucket_numel,) in the reduction dtype."""
-        world, dtype = self.world_size, self.dtype
+        """(received, [own]) -> their sum (bucket_numel,) in the reduction dtype; received
+        (world * payload_bytes,): every rank's quantized row of ours; own: our exact row, in
+        place of its quantized copy."""
+        world, dtype, rank = self.world_size, self.dtype, self.own_rank
         block, bits = self.quantization.block, self.quantization.bits
 
-        def summed(received):
+        def summed(received, *own):
             rows = received.view(world, -1)
             numel = numel_of_payload(rows.shape[1], block, bits)  # padded: the tail is 0
-            return copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype).sum(dim=0)
+            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)
+            if own:
+                (exact,) = own  # (bucket_numel,): padded to whole blocks as the payload was
+                exact = torch.nn.functional.pad(exact.to(dtype), (0, numel - exact.shape[0]))
+                values = torch.cat([values[:rank], exact[None], values[rank + 1 :]])
+            return values.sum(dim=0)
 
         return summed
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
-        (received,) = reduced
-        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), [received])
+        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), list(reduced))
         return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
 
 
@@ -485,7 +512,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
     so the replicas' shards stay identical; both roundings are stochastic (unbiased).
 
     ```
-    row:       all_to_all(q(rows)) ─► sum(dq) = s          (bucket_numel,)      shard group
+    row:       all_to_all(q(rows)) ─► sum(dq, own) = s     (bucket_numel,)      shard group
     replicas:  all_to_all(q(chunks of s)) ─► sum(dq) = c   (chunk,)             replicate group
                all_gather(q(c)) ─► dq, concatenated        (bucket_numel,)      replicate group
     ```
@@ -506,19 +533,21 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             return super().issue(emit, stage, payloads)
         replicas, dtype = self.replicate_size, self.dtype
         block, bits = self.quantization.block, self.quantization.bits
-        (received,) = payloads
+        received, *own = payloads  # stage 1: and this rank's exact row (``own_rank``)
         value = received.meta["val"] if emit.in_graph else received
         if stage == 1:  # received: every row rank's quantized rows of ours
             summed_numel = numel_of_payload(value.shape[0] // self.world_size, block, bits)
             chunk = self._chunk(summed_numel)
             summed_fn = self._summed_fn()
 
-            def chunks(received):
-                summed = summed_fn(received)
+            def chunks(received, *own):
+                summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
-                return copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
+                return copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True).view(
+                    -1
+                )
 
-            payload = emit.traced(roles.REDUCE_COPY_OUT, lambda r: chunks(r).view(-1), [received])
+            payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
             splits = [payload_bytes(chunk, block, bits)] * replicas
             work = emit.collective(
                 roles.REPLICA_ALL_REDUCE,
@@ -638,7 +667,12 @@ def reduce_scheme(
 ) -> ReduceScheme:
     dtype = spec.reduce_dtype or grad_dtype
     if quantization is not None and spec.world_size > 1:
-        row = {"group": spec.group, "world_size": spec.world_size, "quantization": quantization}
+        row = {
+            "group": spec.group,
+            "world_size": spec.world_size,
+            "quantization": quantization,
+            "own_rank": group_rank(spec.group),
+        }
         if spec.replicate_size > 1:
             replicas = {
                 "replicate_group": spec.replicate_group,

@@ -65,10 +65,10 @@ class Options:
         float32 scales (ZeRO++'s qwZ: about a quarter of fp32's bytes, half of bf16's); the
         backward's re-gathers stay in full precision. None (default): off.
     gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
-        exchanged with one all-to-all and summed in the reduction dtype by their owner (ZeRO++'s
-        qgZ), instead of a reduce-scatter; with hybrid sharding within the row, then across the
-        replicas as a quantized all-to-all of chunks and an all-gather of their quantized sums
-        (the replicas' shards stay identical). None (default): off.
+        exchanged with one all-to-all and summed in the reduction dtype by their owner, its own
+        row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding within the
+        row, then across the replicas as a quantized all-to-all of chunks and an all-gather of
+        their quantized sums (the replicas' shards stay identical). None (default): off.
     quantization_block: elements per float32 scale of both (a multiple of 8; default 256).
     secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
         gathered parameter, this node's share of it (1/k of it on each of a node's k ranks,
