@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.contenders import mark_blocks_as_regions  # noqa: E402
 from bench.launch import run_ranks  # noqa: E402
 from bench.models import PRESETS, build_model, global_batch, transformer_blocks  # noqa: E402
 
@@ -65,8 +66,7 @@ def first_step(rank: int, world: int, mode: str, depth: int) -> dict[str, float]
         z3.compile_once(transformer_blocks(model))
         step = torch.compile(model, backend="zero3", options={"codegen": "inductor"})
     else:
-        for cls in {type(block) for block in transformer_blocks(model)}:
-            cls.forward = torch.compiler.nested_compile_region(cls.forward)
+        mark_blocks_as_regions(model)
         step = torch.compile(model)
     inputs, targets = global_batch(preset, world, 0, 0)
     inputs, targets = inputs[rank::world], targets[rank::world]  # a rank's rows: the same shapes

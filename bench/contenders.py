@@ -149,10 +149,16 @@ def setup_single(model: nn.Module, ctx: Context) -> Trainer:
     return Trainer(model, model, ctx.optim.adamw(model.parameters()))
 
 
+def mark_blocks_as_regions(model: nn.Module) -> None:
+    """torch's own compile-once: each kind of block's ``forward`` a nested compile region (its
+    class changed: one process per contender)."""
+    for cls in {type(block) for block in transformer_blocks(model)}:
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+
+
 def setup_single_compiled(model: nn.Module, ctx: Context, regions: bool = False) -> Trainer:
-    if regions:  # torch's own compile-once: each kind of block a nested compile region
-        for cls in {type(block) for block in transformer_blocks(model)}:
-            cls.forward = torch.compiler.nested_compile_region(cls.forward)
+    if regions:
+        mark_blocks_as_regions(model)
     return Trainer(torch.compile(model), model, ctx.optim.adamw(model.parameters()))
 
 

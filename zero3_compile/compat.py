@@ -172,22 +172,25 @@ def group_backend(group: dist.ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def backend_of(group_name: str) -> str:
-    """The backend of the process group a graph names ("gloo", "nccl", "fake"...), "" when the
-    name resolves to no group of this process (a graph read offline)."""
+def _group_or_none(group_name: str) -> dist.ProcessGroup | None:
+    """The process group a graph names; None when the name resolves to no group of this process
+    (a graph read offline)."""
     try:
-        return group_backend(resolve_group(group_name))
+        return resolve_group(group_name)
     except (KeyError, RuntimeError, ValueError):
-        return ""
+        return None
+
+
+def backend_of(group_name: str) -> str:
+    """The backend of the process group a graph names ("gloo", "nccl", "fake"...), "" for none."""
+    group = _group_or_none(group_name)
+    return "" if group is None else group_backend(group)
 
 
 def group_rank(group_name: str) -> int | None:
-    """This process's rank in the process group a graph names; None when the name resolves to
-    no group of this process (a graph read offline)."""
-    try:
-        return resolve_group(group_name).rank()
-    except (KeyError, RuntimeError, ValueError):
-        return None
+    """This process's rank in the process group a graph names; None for none."""
+    group = _group_or_none(group_name)
+    return None if group is None else group.rank()
 
 
 def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:

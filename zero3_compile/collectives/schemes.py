@@ -543,9 +543,8 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             def chunks(received, *own):
                 summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
-                return copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True).view(
-                    -1
-                )
+                rows = copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
+                return rows.view(-1)
 
             payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
             splits = [payload_bytes(chunk, block, bits)] * replicas
