@@ -3,12 +3,13 @@
 // Each block of at least `min_bytes` is its own anonymous mapping, rounded up to a size class
 // (32 classes per power of two). A freed block is kept for the next request of its class, up to
 // `cap_bytes` of kept blocks, the least recently freed given back first, and never more than the
-// most bytes ever in use less those in use now (a new mapping gives kept blocks back first): the
-// blocks in use and kept together stay within the high-water mark of the blocks in use. Smaller
-// requests go to the allocator that was installed before (glibc's malloc), through the same
-// deleter (torch's raw interface, which oneDNN uses for its scratch buffers, needs one). A kept block is reused without the
-// kernel's work for fresh memory (a fault and a zeroed page per 4 KiB on first touch, unmapping on
-// free), which is what large short-lived tensors cost on the host otherwise.
+// most bytes ever in use less those in use now (a new mapping gives kept blocks back before its
+// pages are touched): the blocks in use and kept together stay within the high-water mark of the
+// blocks in use. Smaller requests go to the allocator that was installed before (glibc's malloc),
+// through the same deleter (torch's raw interface, which oneDNN uses for its scratch buffers,
+// needs one). A kept block is reused without the kernel's work for fresh memory (a fault and a
+// zeroed page per 4 KiB on first touch, unmapping on free), which is what large short-lived
+// tensors cost on the host otherwise.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

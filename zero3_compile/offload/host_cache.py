@@ -12,7 +12,8 @@ The cache keeps freed blocks of at least ``min_bytes`` (one mapping each, 32 siz
 power of two: at most 3.1% rounded up) and hands them to the next request of their class. It keeps
 at most ``cap_bytes`` of freed blocks, the least recently freed given back first, and never more
 than the most bytes its blocks ever held in use less those in use now (a request it cannot serve
-from its class gives kept blocks back before mapping a new one): the blocks in use and kept
+from its class maps a new block and gives kept blocks back before returning it, so before any
+of its pages is touched): the blocks in use and kept
 together never exceed the high-water mark of the blocks in use, so the cache does not raise the
 process's peak memory. Smaller requests go to the allocator it replaced.
 
