@@ -12,7 +12,7 @@ fresh processes. Per phase and rank: wall time, the peak resident memory (``VmHW
 start of each phase), bytes read and written (the offload stores' counters and the process's
 ``/proc/self/io``), the I/O time the step waited for (exposed) against the store threads' total.
 Beside them, the physical limit: the disk's sequential bandwidth measured here with ``O_DIRECT``
-(16 MiB blocks), the step's compute time without I/O (the same model without offload, at
+(16 MiB blocks, the best of 1, 2 and 4 streams), the step's compute time without I/O (the same model without offload, at
 ``--compute-layers`` depths, extrapolated to the full depth), and the bound
 max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
 first steps, resumes it in new processes and checks the resumed step is bit-identical.
@@ -682,61 +682,72 @@ def _merge(into: dict, update: dict) -> None:
 # --------------------------------------------------------------------------- the disk
 
 
+STREAMS = (1, 2, 4)  # concurrent requests the disk test tries; the bound takes the best rate
+
+
 def disk_bandwidth(folder: str, size: int = 2 * GiB, block: int = 16 * 2**20) -> dict:
-    """Sequential write and read with O_DIRECT, 16 MiB blocks (GB/s)."""
+    """Sequential write, read, and both at once with O_DIRECT, 16 MiB blocks (GB/s), each the
+    best over 1, 2 and 4 streams (threads, each on its own contiguous part of the file): the
+    offload stores keep many requests in flight, and a disk (a virtual one especially) may only
+    reach its rate with several; a bound taken at one stream's rate could be beaten. Dirty pages
+    (a checkpoint just written) are written back first, so they do not share the disk with it."""
+    os.sync()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "bandwidth.bin")
-    buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    buffer.write(os.urandom(block))
+    other = os.path.join(folder, "bandwidth-mixed.bin")
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        start = time.perf_counter()
-        for offset in range(0, size, block):
-            os.pwritev(fd, [buffer], offset)
-        os.fsync(fd)
-        write_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for offset in range(0, size, block):
-            os.preadv(fd, [buffer], offset)
-        read_s = time.perf_counter() - start
-        mixed_s = _read_while_writing(fd, folder, size, block)
-    finally:
-        os.close(fd)
-        os.remove(path)
-    return {
-        "write_gbps": size / write_s / 1e9,
-        "read_gbps": size / read_s / 1e9,
-        "mixed_gbps": 2 * size / mixed_s / 1e9,
-    }
-
-
-def _read_while_writing(fd: int, folder: str, size: int, block: int) -> float:
-    """Seconds to read ``size`` bytes of ``fd`` while another thread writes as many to a second
-    file (O_DIRECT, ``block`` bytes per call): the traffic of an offloaded backward, which reads
-    and writes state at once."""
-    path = os.path.join(folder, "bandwidth-mixed.bin")
-    out = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    fd, out = os.open(path, flags, 0o600), os.open(other, flags, 0o600)
+    best = {"write_gbps": 0.0, "read_gbps": 0.0, "mixed_gbps": 0.0}
+    streams = {}
     try:
         os.posix_fallocate(out, 0, size)
-
-        def write() -> None:
-            buffer = mmap.mmap(-1, block)
-            for offset in range(0, size, block):
-                os.pwritev(out, [buffer], offset)
-            os.fsync(out)
-
-        writer = threading.Thread(target=write)
-        buffer = mmap.mmap(-1, block)
-        start = time.perf_counter()
-        writer.start()
-        for offset in range(0, size, block):
-            os.preadv(fd, [buffer], offset)
-        writer.join()
-        return time.perf_counter() - start
+        for n in STREAMS:
+            rates = {
+                "write_gbps": size / _streamed(n, [(fd, os.pwritev)], size, block) / 1e9,
+                "read_gbps": size / _streamed(n, [(fd, os.preadv)], size, block) / 1e9,
+                # the traffic of an offloaded backward: it reads and writes state at once
+                "mixed_gbps": 2
+                * size
+                / _streamed(n, [(fd, os.preadv), (out, os.pwritev)], size, block)
+                / 1e9,
+            }
+            for key, rate in rates.items():
+                if rate > best[key]:
+                    best[key], streams[key] = rate, n
     finally:
+        os.close(fd)
         os.close(out)
         os.remove(path)
+        os.remove(other)
+    return {**best, "streams": streams}
+
+
+def _streamed(n: int, jobs: list, size: int, block: int) -> float:
+    """Seconds for ``n`` threads per (fd, call) in ``jobs`` to move ``size`` bytes of each file in
+    ``block``-byte calls, thread i over the i-th of ``n`` contiguous parts; writes are synced."""
+    blocks = size // block
+    parts = [(i * blocks // n, (i + 1) * blocks // n) for i in range(n)]
+
+    def run(fd: int, call, first: int, last: int) -> None:
+        buffer = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+        buffer.write(os.urandom(block))
+        for index in range(first, last):
+            call(fd, [buffer], index * block)
+
+    threads = [
+        threading.Thread(target=run, args=(fd, call, first, last))
+        for fd, call in jobs
+        for first, last in parts
+    ]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for fd, call in jobs:
+        if call is os.pwritev:
+            os.fsync(fd)
+    return time.perf_counter() - start
 
 
 def drop_page_cache() -> None:
@@ -780,9 +791,11 @@ def report(args, shape, disk, runs, compute) -> str:
     ]
     if disk:
         lines.append(
-            f"Disk (O_DIRECT, 16 MiB blocks): write {disk['write_gbps']:.2f} GB/s, read "
-            f"{disk['read_gbps']:.2f} GB/s; reading and writing at once {disk['mixed_gbps']:.2f} "
-            "GB/s together."
+            f"Disk (O_DIRECT, 16 MiB blocks, the best of {', '.join(map(str, STREAMS))} streams): "
+            f"write {disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s; reading and "
+            f"writing at once {disk['mixed_gbps']:.2f} GB/s together (streams: "
+            + ", ".join(f"{k.split('_')[0]} {v}" for k, v in disk.get("streams", {}).items())
+            + ")."
         )
         lines.append("")
     for name, per_rank in runs.items():
