@@ -87,6 +87,10 @@ def parse_args(argv=None):
         help="offload stores opened with O_DIRECT (Offload(o_direct=True), offload_optimizer's)",
     )  # fmt: skip
     parser.add_argument(
+        "--io-threads", type=int, default=4,
+        help="I/O threads of each offload store (Offload(threads=...), offload_optimizer's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--in-backward", action="store_true",
         help="offload_optimizer(in_backward=True): each parameter steps during the backward",
     )  # fmt: skip
@@ -402,6 +406,7 @@ def _offload(z3, cfg: dict, scratch: str):
         path=scratch,
         double_buffer=not cfg["single_copy"],
         o_direct=cfg.get("o_direct", False),
+        threads=cfg.get("io_threads", 4),
     )
 
 
@@ -437,6 +442,7 @@ def run_zero3(rank, world, cfg: dict):
             tile_mb=cfg.get("tile_mb", 64.0),
             o_direct=cfg.get("o_direct", False),
             in_backward=cfg.get("in_backward", False),
+            threads=cfg.get("io_threads", 4),
         )
     phases.opt = opt
     if cfg.get("compile_once"):
@@ -498,6 +504,7 @@ def run_resume(rank, world, cfg: dict):
             double_buffer=not cfg["single_copy"],
             tile_mb=cfg.get("tile_mb", 64.0),
             o_direct=cfg.get("o_direct", False),
+            threads=cfg.get("io_threads", 4),
         )
     phases.model, phases.opt = model, opt
     path = os.path.join(cfg["scratch"], "checkpoint")
@@ -784,7 +791,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"# big_model: {args.model} ({shape.layers} layers), {params / 1e9:.2f}B parameters ({state_gb:.1f} GB of fp32 "
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
-        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}"
+        f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}, I/O threads per store {args.io_threads}"
         f"{'; zero3 options ' + args.zero3_options if args.zero3_options else ''}; torch "
         f"{torch.__version__}",
         "",
@@ -908,7 +915,7 @@ def main(argv=None) -> None:
     checkpoint = write_checkpoint(os.path.join(args.cache, model_name), shape)
     disk = None if args.skip_disk_test else disk_bandwidth(args.scratch)
     base = dict(checkpoint=checkpoint, scratch=args.scratch, offload=args.offload, grads=args.grads,
-                single_copy=args.single_copy, o_direct=args.o_direct,
+                single_copy=args.single_copy, o_direct=args.o_direct, io_threads=args.io_threads,
                 tile_mb=args.tile_mb, in_backward=args.in_backward, fused_adamw=args.fused_adamw,
                 seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
