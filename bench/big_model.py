@@ -12,9 +12,9 @@ fresh processes. Per phase and rank: wall time, the peak resident memory (``VmHW
 start of each phase), bytes read and written (the offload stores' counters and the process's
 ``/proc/self/io``), the I/O time the step waited for (exposed) against the store threads' total.
 Beside them, the physical limit: the disk's sequential bandwidth measured here with ``O_DIRECT``
-(16 MiB blocks, the best of 1, 2 and 4 streams), the step's compute time without I/O (the same model without offload, at
-``--compute-layers`` depths, extrapolated to the full depth), and the bound
-max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
+(16 MiB blocks, the best of 1, 2 and 4 streams), the step's compute time without I/O (the same
+model without offload, at ``--compute-layers`` depths, extrapolated to the full depth), and the
+bound max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
 first steps, resumes it in new processes and checks the resumed step is bit-identical.
 """
 
@@ -709,14 +709,14 @@ def disk_bandwidth(folder: str, size: int = 2 * GiB, block: int = 16 * 2**20) ->
     try:
         os.posix_fallocate(out, 0, size)
         for n in STREAMS:
+            write_s = _streamed(n, [(fd, os.pwritev)], size, block)
+            read_s = _streamed(n, [(fd, os.preadv)], size, block)
+            # the traffic of an offloaded backward: it reads and writes state at once
+            both_s = _streamed(n, [(fd, os.preadv), (out, os.pwritev)], size, block)
             rates = {
-                "write_gbps": size / _streamed(n, [(fd, os.pwritev)], size, block) / 1e9,
-                "read_gbps": size / _streamed(n, [(fd, os.preadv)], size, block) / 1e9,
-                # the traffic of an offloaded backward: it reads and writes state at once
-                "mixed_gbps": 2
-                * size
-                / _streamed(n, [(fd, os.preadv), (out, os.pwritev)], size, block)
-                / 1e9,
+                "write_gbps": size / write_s / 1e9,
+                "read_gbps": size / read_s / 1e9,
+                "mixed_gbps": 2 * size / both_s / 1e9,
             }
             for key, rate in rates.items():
                 if rate > best[key]:
