@@ -453,11 +453,10 @@ class QuantizedReduceScatter(ReduceScatter):
         def summed(received, *own):
             rows = received.view(world, -1)
             numel = numel_of_payload(rows.shape[1], block, bits)  # padded: the tail is 0
-            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)
+            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)  # a new tensor
             if own:
-                (exact,) = own  # (bucket_numel,): padded to whole blocks as the payload was
-                exact = torch.nn.functional.pad(exact.to(dtype), (0, numel - exact.shape[0]))
-                values = torch.cat([values[:rank], exact[None], values[rank + 1 :]])
+                (exact,) = own  # (bucket_numel,); the row's padded tail stays the payload's 0
+                values[rank, : exact.shape[0]] = exact
             return values.sum(dim=0)
 
         return summed
