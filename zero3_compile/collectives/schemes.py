@@ -53,7 +53,15 @@ from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce, group_rank
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
-from .quantize import Quantization, numel_of_payload, padded_numel, payload_bytes
+from .quantize import (
+    Quantization,
+    align_rows,
+    aligned_numel,
+    numel_of_payload,
+    padded_numel,
+    payload_bytes,
+    unalign_rows,
+)
 
 
 class Emit:
@@ -167,7 +175,9 @@ class AllGather(GatherScheme):
 @dataclass(frozen=True)
 class QuantizedAllGather(AllGather):
     """qwZ: the bucket's flat shard (this rank's ``bucket_numel`` elements) quantized into one
-    ``uint8`` payload, all-gathered, and each rank's row dequantized into the gather dtype."""
+    ``uint8`` payload, all-gathered, and each rank's row dequantized into the gather dtype. Each
+    member's part starts a new block (``quantize.align_rows``): a norm's weights near 1 never set
+    the scale of a matrix's near 0.02."""
 
     quantization: Quantization = Quantization(8, 256)
     compresses: ClassVar[bool] = True
@@ -178,20 +188,24 @@ class QuantizedAllGather(AllGather):
     def copy_in(self, emit, shards, specs):
         (flat,) = super().copy_in(emit, shards, specs)
         block, bits = self.quantization.block, self.quantization.bits
+        sizes = arithmetic.sizes(specs)
 
-        def payload(flat):  # weights: to nearest
-            return copy_ops.QUANTIZE_ROWS(flat.view(1, -1), block, bits, False).view(-1)
+        def payload(flat):  # weights: to nearest; each member's part starts a new block
+            row = align_rows(flat.view(1, -1), sizes, block)
+            return copy_ops.QUANTIZE_ROWS(row, block, bits, False, "int").view(-1)
 
         return [emit.traced(roles.GATHER_COPY_IN, payload, [flat])]
 
     def copy_out(self, emit, waited, specs):
         (gathered,) = waited  # (world * payload_bytes,) uint8
-        numel, world, dtype = sum(arithmetic.sizes(specs)), self.world_size, self.dtype
+        sizes, world, dtype = arithmetic.sizes(specs), self.world_size, self.dtype
         block, bits = self.quantization.block, self.quantization.bits
+        numel = aligned_numel(sizes, block)
 
         def values(gathered):  # (world * bucket_numel,): what an all-gather would have given
             rows = gathered.view(world, -1)
-            return copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype).view(-1)
+            rows = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype, "int")
+            return unalign_rows(rows, sizes, block).reshape(-1)
 
         flat = emit.traced(roles.GATHER_COPY_OUT, values, [gathered])
         return super().copy_out(emit, [flat], specs)
@@ -301,7 +315,8 @@ class ReduceScheme:
         a view of a gradient)."""
         return False
 
-    def issue(self, emit: Emit, stage: int, payloads: list) -> list:
+    def issue(self, emit: Emit, stage: int, payloads: list, specs) -> list:
+        """Stage ``stage``'s collectives (``specs``: the bucket's members)."""
         raise NotImplementedError
 
     def wait(self, emit: Emit, stage: int, works: list) -> list:
@@ -353,7 +368,7 @@ class ReduceScatter(ReduceScheme):
     def _reduces_in_place(self) -> bool:
         return self.rank is not None
 
-    def issue(self, emit, stage, payloads):
+    def issue(self, emit, stage, payloads, specs):
         (flat,) = payloads
         if self.rank is not None:
             work = emit.collective(
@@ -398,6 +413,11 @@ class QuantizedReduceScatter(ReduceScatter):
     by row, exchanged with one all-to-all (rank r receives every rank's row r), then dequantized
     and summed in the reduction dtype; the copy-out divides by N as a reduce-scatter's does.
 
+    Each member's part of a row starts a new block (``quantize.align_rows``): a block's scale is
+    its own parameter's largest value, never a neighbour's (a norm's small gradients beside a
+    matrix's would otherwise round to noise). Parts that are whole blocks, as large models'
+    are, cost nothing; the tail of a part that is not travels padded.
+
     ``own_rank`` set (this rank's index in the shard group): its own row never crosses the wire,
     so it is summed exactly, kept from the copy-in beside the payload (1/N of the bucket), and
     only the other N - 1 contributions carry quantization noise (on 2 ranks, half the
@@ -413,22 +433,29 @@ class QuantizedReduceScatter(ReduceScatter):
 
     def copy_in(self, emit, grads, specs):
         (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
-        world, block, bits = self.world_size, self.quantization.block, self.quantization.bits
+        world, (block, bits, codes) = self.world_size, self._how()
+        sizes = arithmetic.sizes(specs)
 
         def payload(flat):  # gradients: stochastically, so the mean stays unbiased
-            return copy_ops.QUANTIZE_ROWS(flat.view(world, -1), block, bits, True).view(-1)
+            rows = align_rows(flat.view(world, -1), sizes, block)
+            return copy_ops.QUANTIZE_ROWS(rows, block, bits, True, codes).view(-1)
 
         payloads = [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
         if self.own_rank is not None:
             rank = self.own_rank
 
             def own(flat):  # a copy: the copy-in's whole buffer is not kept for it
-                return flat.view(world, -1)[rank].clone()
+                row = flat.view(world, -1)[rank : rank + 1]
+                return align_rows(row, sizes, block).view(-1).clone()
 
             payloads.append(emit.traced(roles.REDUCE_COPY_IN, own, [flat]))
         return payloads
 
-    def issue(self, emit, stage, payloads):
+    def _how(self) -> tuple[int, int, str]:
+        how = self.quantization
+        return how.block, how.bits, how.codes
+
+    def issue(self, emit, stage, payloads, specs):
         payload, *own = payloads  # (world * payload_bytes,) uint8; this rank's exact row
         value = payload.meta["val"] if emit.in_graph else payload
         rows = [value.shape[0] // self.world_size] * self.world_size  # bytes to and from each
@@ -444,25 +471,32 @@ class QuantizedReduceScatter(ReduceScatter):
         return [emit.wait(self.stage_roles[0][1], work), *own]
 
     def _summed_fn(self):
-        """(received, [own]) -> their sum (bucket_numel,) in the reduction dtype; received
-        (world * payload_bytes,): every rank's quantized row of ours; own: our exact row, in
-        place of its quantized copy."""
+        """(received, [own]) -> their sum (aligned_numel,) in the reduction dtype, the row's
+        members still aligned to blocks; received (world * payload_bytes,): every rank's
+        quantized row of ours; own: our exact row, aligned, in place of its quantized copy."""
         world, dtype, rank = self.world_size, self.dtype, self.own_rank
-        block, bits = self.quantization.block, self.quantization.bits
+        block, bits, codes = self._how()
 
         def summed(received, *own):
             rows = received.view(world, -1)
-            numel = numel_of_payload(rows.shape[1], block, bits)  # padded: the tail is 0
-            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)  # a new tensor
+            numel = numel_of_payload(rows.shape[1], block, bits)  # aligned: the padding is 0
+            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype, codes)  # new
             if own:
-                (exact,) = own  # (bucket_numel,); the row's padded tail stays the payload's 0
+                (exact,) = own
                 values[rank, : exact.shape[0]] = exact
             return values.sum(dim=0)
 
         return summed
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
-        flat = emit.traced(roles.REDUCE_COPY_OUT, self._summed_fn(), list(reduced))
+        sizes, block = arithmetic.sizes(specs), self.quantization.block
+        summed_fn = self._summed_fn()
+
+        def values(*reduced):
+            summed = summed_fn(*reduced)
+            return unalign_rows(summed.view(1, -1), sizes, block).view(-1)
+
+        flat = emit.traced(roles.REDUCE_COPY_OUT, values, list(reduced))
         return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
 
 
@@ -527,11 +561,11 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
         """Elements of each replica's chunk of a summed shard of ``summed_numel``: whole blocks."""
         return padded_numel(-(-summed_numel // self.replicate_size), self.quantization.block)
 
-    def issue(self, emit, stage, payloads):
+    def issue(self, emit, stage, payloads, specs):
         if stage == 0:
-            return super().issue(emit, stage, payloads)
+            return super().issue(emit, stage, payloads, specs)
         replicas, dtype = self.replicate_size, self.dtype
-        block, bits = self.quantization.block, self.quantization.bits
+        block, bits, codes = self._how()
         received, *own = payloads  # stage 1: and this rank's exact row (``own_rank``)
         value = received.meta["val"] if emit.in_graph else received
         if stage == 1:  # received: every row rank's quantized rows of ours
@@ -542,7 +576,8 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             def chunks(received, *own):
                 summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
-                rows = copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
+                rows = summed.view(replicas, chunk)
+                rows = copy_ops.QUANTIZE_ROWS(rows, block, bits, True, codes)
                 return rows.view(-1)
 
             payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
@@ -555,15 +590,18 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
                 splits,
                 splits,
                 self.replicate_group,
-                full_bytes=summed_numel * dtype.itemsize,  # the uncompressed all-reduce's
+                # the uncompressed all-reduce's: the summed row, not its aligned blocks
+                full_bytes=sum(arithmetic.sizes(specs)) * dtype.itemsize,
             )
             return [work]
         # stage 2; received: every replica's quantized chunk of ours
         chunk = numel_of_payload(value.shape[0] // replicas, block, bits)
 
         def requantized(received):
-            rows = copy_ops.DEQUANTIZE_ROWS(received.view(replicas, -1), chunk, block, bits, dtype)
-            return copy_ops.QUANTIZE_ROWS(rows.sum(dim=0, keepdim=True), block, bits, True).view(-1)
+            received = received.view(replicas, -1)
+            rows = copy_ops.DEQUANTIZE_ROWS(received, chunk, block, bits, dtype, codes)
+            summed = rows.sum(dim=0, keepdim=True)
+            return copy_ops.QUANTIZE_ROWS(summed, block, bits, True, codes).view(-1)
 
         payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received])
         work = emit.collective(
@@ -579,13 +617,16 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
         (gathered,) = reduced  # (replicas * chunk_payload,): every replica's summed chunk
-        summed_numel = padded_numel(sum(arithmetic.sizes(specs)), self.quantization.block)
+        block, bits, codes = self._how()
+        sizes = arithmetic.sizes(specs)
+        summed_numel = aligned_numel(sizes, block)
         chunk, replicas, dtype = self._chunk(summed_numel), self.replicate_size, self.dtype
-        block, bits = self.quantization.block, self.quantization.bits
 
         def values(gathered):
-            rows = copy_ops.DEQUANTIZE_ROWS(gathered.view(replicas, -1), chunk, block, bits, dtype)
-            return rows.view(-1)[:summed_numel]
+            rows = gathered.view(replicas, -1)
+            rows = copy_ops.DEQUANTIZE_ROWS(rows, chunk, block, bits, dtype, codes)
+            summed = rows.view(1, -1)[:, :summed_numel]
+            return unalign_rows(summed, sizes, block).view(-1)
 
         flat = emit.traced(roles.REDUCE_COPY_OUT, values, [gathered])
         return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
@@ -595,9 +636,9 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
 class HybridReduce(_AcrossReplicas, ReduceScatter):
     """Reduce-scatter within the row, then the reduced shards summed across the replicas."""
 
-    def issue(self, emit, stage, payloads):
+    def issue(self, emit, stage, payloads, specs):
         if stage == 0:
-            return super().issue(emit, stage, payloads)
+            return super().issue(emit, stage, payloads, specs)
         (flat,) = payloads
         if self.rank is not None:
             # stage 0 was an all-reduce: keep this rank's rows before summing across replicas
@@ -622,7 +663,7 @@ class ReplicaReduce(ReduceScheme):
     def divisor(self) -> int:
         return self.replicate_size
 
-    def issue(self, emit, stage, payloads):
+    def issue(self, emit, stage, payloads, specs):
         (flat,) = payloads
         work = emit.collective(
             roles.REPLICA_ALL_REDUCE,
@@ -713,5 +754,5 @@ def run_reduce(scheme: ReduceScheme, emit: Emit, grads, specs, shard_shapes) -> 
     """Every step of a reduction, back to back."""
     payloads = scheme.copy_in(emit, grads, specs)
     for stage in range(scheme.stages):
-        payloads = scheme.wait(emit, stage, scheme.issue(emit, stage, payloads))
+        payloads = scheme.wait(emit, stage, scheme.issue(emit, stage, payloads, specs))
     return scheme.copy_out(emit, payloads, specs, shard_shapes)

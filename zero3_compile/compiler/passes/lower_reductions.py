@@ -104,8 +104,8 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         last_grad = max((c.grad for c in calls), key=order.__getitem__)
         with graph.inserting_before(last_grad.next):
-            payloads = scheme.copy_in(emit, [c.grad for c in calls], [c.spec for c in calls])
-            works = scheme.issue(emit, 0, payloads)
+            payloads = scheme.copy_in(emit, [c.grad for c in calls], specs)
+            works = scheme.issue(emit, 0, payloads, specs)
         issued.append(_Issued(members, calls, scheme, emit, emit.created[0], works))
 
     depth = ctx.options.reduce_scatter_depth
@@ -123,7 +123,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             with graph.inserting_before(issue_of(j + depth + stage)):
                 waited = scheme.wait(bucket.emit, stage, bucket.works)
                 if stage + 1 < scheme.stages:
-                    bucket.works = scheme.issue(bucket.emit, stage + 1, waited)
+                    bucket.works = scheme.issue(bucket.emit, stage + 1, waited, bucket.specs)
                     continue
                 shards = scheme.copy_out(
                     bucket.emit, waited, bucket.specs, [c.shard_shape for c in bucket.calls]

@@ -251,10 +251,8 @@ def _weight_quantization_errors(report: ExplainReport, params: list, options) ->
                 flat = arithmetic.gather_input(
                     [m.local() for m in members], arithmetic.sizes(specs), dtype
                 )
-                payload = quantize.quantize(flat, how.block, how.bits)
-                back = quantize.dequantize(
-                    payload, flat.numel(), how.block, how.bits, torch.float32
-                )
+                sizes = arithmetic.sizes(specs)
+                back = quantize.round_trip(flat.view(1, -1), sizes, how).view(-1)
                 values = flat.float()
                 error = (back - values).abs()
                 tiny = torch.finfo(torch.float32).tiny
