@@ -51,18 +51,12 @@ SETTINGS = {
     "qwZ int8": {"weight_quantization": "int8"},
     "qgZ int8": {"gradient_quantization": "int8"},
     "qgZ int4": {"gradient_quantization": "int4"},
-    "qgZ fp4": {"gradient_quantization": "fp4"},
     "qwZ + qgZ int8": {"weight_quantization": "int8", "gradient_quantization": "int8"},
     "hpZ": {"secondary_shard": "node"},
     "ZeRO++ (qwZ + hpZ + qgZ int4)": {
         "weight_quantization": "int8",
         "secondary_shard": "node",
         "gradient_quantization": "int4",
-    },
-    "ZeRO++ fp4 (qwZ + hpZ + qgZ fp4)": {
-        "weight_quantization": "int8",
-        "secondary_shard": "node",
-        "gradient_quantization": "fp4",
     },
     # smaller blocks: a scale per 64 elements instead of 256 (int4: 4.5 bits per element, not 4.1)
     "qgZ int8 block 64": {"gradient_quantization": "int8", "quantization_block": 64},

@@ -76,27 +76,25 @@ SECONDARY_SLICE = torch.ops.zero3.secondary_slice.default
 # or not; Inductor's CPU code for a bitcast of the scales' bytes next to a bf16 cast was seen to
 # give NaNs (torch 2.13), and the eager body is the one the tests check.
 @torch.library.custom_op("zero3::quantize_rows", mutates_args=())
-def quantize_rows(
-    rows: torch.Tensor, block: int, bits: int, stochastic: bool, codes: str
-) -> torch.Tensor:
-    return quantize.quantize_rows(rows, block, bits, stochastic, codes)
+def quantize_rows(rows: torch.Tensor, block: int, bits: int, stochastic: bool) -> torch.Tensor:
+    return quantize.quantize_rows(rows, block, bits, stochastic)
 
 
 @quantize_rows.register_fake
-def _quantize_rows_fake(rows, block, bits, stochastic, codes):
+def _quantize_rows_fake(rows, block, bits, stochastic):
     size = quantize.payload_bytes(rows.shape[1], block, bits)
     return rows.new_empty((rows.shape[0], size), dtype=torch.uint8)
 
 
 @torch.library.custom_op("zero3::dequantize_rows", mutates_args=())
 def dequantize_rows(
-    payloads: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype, codes: str
+    payloads: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    return quantize.dequantize_rows(payloads, numel, block, bits, dtype, codes)
+    return quantize.dequantize_rows(payloads, numel, block, bits, dtype)
 
 
 @dequantize_rows.register_fake
-def _dequantize_rows_fake(payloads, numel, block, bits, dtype, codes):
+def _dequantize_rows_fake(payloads, numel, block, bits, dtype):
     return payloads.new_empty((payloads.shape[0], numel), dtype=dtype)
 
 

@@ -6,11 +6,8 @@ padded with zeros); each block is scaled by its largest magnitude into the symme
 range of ``bits`` (int8: -127..127, int4: -7..7) and rounded to nearest, so an element's error is
 at most half a step: ``amax(block) / (2 * levels)``; or, for gradients, stochastically (up with
 the probability of the fraction, the draw a hash of the element's position and bits): unbiased,
-reproducible, at most one step off. ``fp4`` codes are 4 bits too, the magnitudes of FP4 (E2M1)
-scaled so that the block's largest is 6: 0, 0.5, 1, 1.5, 2, 3, 4, 6, and a sign; their steps
-grow with the magnitude, so the many small elements of a block whose largest is far above them
-get finer steps than int4's uniform ones (amax/12 below a third of amax, against amax/7).
-The payload that travels is one ``uint8`` tensor, the codes (4 bits: two per byte, low nibble
+reproducible, at most one step off.
+The payload that travels is one ``uint8`` tensor, the integers (int4: two per byte, low nibble
 first) followed by the float32 scales' bytes, so a compressed all-gather or all-to-all is still
 one collective::
 
@@ -28,26 +25,20 @@ import torch
 import torch.nn.functional as F
 
 LEVELS = {8: 127, 4: 7}
-BITS = {"int8": 8, "int4": 4, "fp4": 4}
-# fp4 (E2M1): the magnitudes a code's low 3 bits stand for; bit 3 is the sign
-FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_MAX = 6.0
+BITS = {"int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a collective's payload is compressed: codes of ``bits`` (``codes``: ``"int"``,
-    uniform integers, or ``"fp4"``, E2M1) and one float32 scale per ``block`` elements."""
+    """How a collective's payload is compressed: integers of ``bits`` and one float32 scale per
+    ``block`` elements."""
 
     bits: int
     block: int
-    codes: str = "int"
 
     @classmethod
     def of(cls, name: str | None, block: int) -> Quantization | None:
-        if name is None:
-            return None
-        return cls(BITS[name], block, "fp4" if name == "fp4" else "int")
+        return None if name is None else cls(BITS[name], block)
 
 
 def aligned_numel(segments: Sequence[int], block: int) -> int:
@@ -96,12 +87,12 @@ def numel_of_payload(payload: int, block: int, bits: int) -> int:
 
 
 def quantize_rows(
-    rows: torch.Tensor, block: int, bits: int, stochastic: bool = False, codes: str = "int"
+    rows: torch.Tensor, block: int, bits: int, stochastic: bool = False
 ) -> torch.Tensor:
     """Each row of ``rows`` (``(n_rows, numel)``, floating) as its payload:
     ``(n_rows, payload_bytes)`` ``uint8``. ``stochastic``: round up with probability equal to
-    the fraction (unbiased, error below one step) instead of to nearest (half a step).
-    ``codes``: ``"int"`` or ``"fp4"`` (``bits`` 4)."""
+    the fraction (unbiased, error below one step) instead of to nearest (half a step)."""
+    levels = LEVELS[bits]
     n_rows, numel = rows.shape
     padded = padded_numel(numel, block)
     x = rows.to(torch.float32)
@@ -109,38 +100,20 @@ def quantize_rows(
         x = F.pad(x, (0, padded - numel))
     blocks = x.view(n_rows, -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    levels = FP4_MAX if codes == "fp4" else LEVELS[bits]
     scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
     scaled = blocks / scale
-    draw = _uniform(x).view_as(scaled) if stochastic else None
-    if codes == "fp4":
-        nibbles = _fp4_codes(scaled, draw).view(n_rows, padded)  # 0..15
+    if stochastic:
+        rounded = torch.floor(scaled + _uniform(x).view_as(scaled))
     else:
-        rounded = torch.floor(scaled + draw) if stochastic else torch.round(scaled)
-        q = torch.clamp(rounded, -levels, levels).to(torch.int8).view(n_rows, padded)
-        if bits == 8:
-            ints = q.view(torch.uint8)
-            return torch.cat([ints, scale.view(n_rows, -1).view(torch.uint8)], dim=1)
-        nibbles = (q + 8).to(torch.uint8)  # 1..15
-    pairs = nibbles.view(n_rows, -1, 2)  # two per byte
-    ints = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        rounded = torch.round(scaled)
+    q = torch.clamp(rounded, -levels, levels).to(torch.int8)
+    q = q.view(n_rows, padded)
+    if bits == 4:
+        nibbles = (q + 8).to(torch.uint8).view(n_rows, -1, 2)  # 1..15, two per byte
+        ints = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+    else:
+        ints = q.view(torch.uint8)
     return torch.cat([ints, scale.view(n_rows, -1).view(torch.uint8)], dim=1)
-
-
-def _fp4_codes(scaled: torch.Tensor, draw: torch.Tensor | None) -> torch.Tensor:
-    """E2M1 codes (``uint8`` 0..15: bit 3 the sign, bits 0-2 the index into ``FP4_MAGNITUDES``)
-    of values in [-6, 6], rounded to the magnitude below or above: to nearest, or up with the
-    probability of the fraction (``draw``)."""
-    m = scaled.abs()
-    step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))  # the grid's spacing at m
-    low = torch.floor(m / step) * step
-    fraction = (m - low) / step
-    up = fraction >= 0.5 if draw is None else draw < fraction
-    magnitude = torch.clamp(low + up * step, max=FP4_MAX)
-    index = torch.where(
-        magnitude <= 2, magnitude * 2, torch.where(magnitude <= 4, magnitude + 2, 7)
-    )
-    return (index + 8 * (scaled < 0)).to(torch.uint8)
 
 
 def _uniform(x: torch.Tensor) -> torch.Tensor:
@@ -156,30 +129,20 @@ def _uniform(x: torch.Tensor) -> torch.Tensor:
     return (h & 0xFFFFFF).to(torch.float32) / float(1 << 24)
 
 
-def quantize(flat: torch.Tensor, block: int, bits: int, codes: str = "int") -> torch.Tensor:
+def quantize(flat: torch.Tensor, block: int, bits: int) -> torch.Tensor:
     """``flat`` (1-D, floating) as its payload (1-D ``uint8``, ``payload_bytes`` long)."""
-    return quantize_rows(flat.view(1, -1), block, bits, codes=codes).view(-1)
+    return quantize_rows(flat.view(1, -1), block, bits).view(-1)
 
 
 def dequantize(
-    payload: torch.Tensor,
-    numel: int,
-    block: int,
-    bits: int,
-    dtype: torch.dtype,
-    codes: str = "int",
+    payload: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The ``numel`` values a ``quantize`` payload holds, in ``dtype``."""
-    return dequantize_rows(payload.view(1, -1), numel, block, bits, dtype, codes).view(-1)
+    return dequantize_rows(payload.view(1, -1), numel, block, bits, dtype).view(-1)
 
 
 def dequantize_rows(
-    payloads: torch.Tensor,
-    numel: int,
-    block: int,
-    bits: int,
-    dtype: torch.dtype,
-    codes: str = "int",
+    payloads: torch.Tensor, numel: int, block: int, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Rows of payloads (``(n_rows, payload_bytes)``) as ``(n_rows, numel)`` values."""
     n_rows = payloads.shape[0]
@@ -187,13 +150,9 @@ def dequantize_rows(
     int_bytes = padded * bits // 8
     ints, scale_bytes = payloads[:, :int_bytes], payloads[:, int_bytes:]
     if bits == 4:
-        nibbles = torch.stack([ints & 15, ints >> 4], dim=2).reshape(n_rows, padded)
-        if codes == "fp4":
-            table = torch.tensor(FP4_MAGNITUDES, device=payloads.device)
-            table = torch.cat([table, -table])
-            q = table[nibbles.long()]
-        else:
-            q = nibbles.to(torch.int8) - 8
+        low = (ints & 15).to(torch.int8) - 8
+        high = (ints >> 4).to(torch.int8) - 8
+        q = torch.stack([low, high], dim=2).reshape(n_rows, padded)
     else:
         q = ints.contiguous().view(torch.int8)
     scale = scale_bytes.contiguous().view(torch.float32).view(n_rows, -1, 1)
@@ -207,7 +166,6 @@ def round_trip(
     """``rows`` (``(n, sum(segments))``) as their receiver gets them back in float32: aligned
     (each segment starts a block), quantized, dequantized, unaligned."""
     aligned = align_rows(rows, segments, how.block)
-    payload = quantize_rows(aligned, how.block, how.bits, stochastic, how.codes)
-    numel = aligned.shape[1]
-    back = dequantize_rows(payload, numel, how.block, how.bits, torch.float32, how.codes)
+    payload = quantize_rows(aligned, how.block, how.bits, stochastic)
+    back = dequantize_rows(payload, aligned.shape[1], how.block, how.bits, torch.float32)
     return unalign_rows(back, segments, how.block)

@@ -192,7 +192,7 @@ class QuantizedAllGather(AllGather):
 
         def payload(flat):  # weights: to nearest; each member's part starts a new block
             row = align_rows(flat.view(1, -1), sizes, block)
-            return copy_ops.QUANTIZE_ROWS(row, block, bits, False, "int").view(-1)
+            return copy_ops.QUANTIZE_ROWS(row, block, bits, False).view(-1)
 
         return [emit.traced(roles.GATHER_COPY_IN, payload, [flat])]
 
@@ -204,7 +204,7 @@ class QuantizedAllGather(AllGather):
 
         def values(gathered):  # (world * bucket_numel,): what an all-gather would have given
             rows = gathered.view(world, -1)
-            rows = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype, "int")
+            rows = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)
             return unalign_rows(rows, sizes, block).reshape(-1)
 
         flat = emit.traced(roles.GATHER_COPY_OUT, values, [gathered])
@@ -433,12 +433,12 @@ class QuantizedReduceScatter(ReduceScatter):
 
     def copy_in(self, emit, grads, specs):
         (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
-        world, (block, bits, codes) = self.world_size, self._how()
+        world, (block, bits) = self.world_size, self._how()
         sizes = arithmetic.sizes(specs)
 
         def payload(flat):  # gradients: stochastically, so the mean stays unbiased
             rows = align_rows(flat.view(world, -1), sizes, block)
-            return copy_ops.QUANTIZE_ROWS(rows, block, bits, True, codes).view(-1)
+            return copy_ops.QUANTIZE_ROWS(rows, block, bits, True).view(-1)
 
         payloads = [emit.traced(roles.REDUCE_COPY_IN, payload, [flat])]
         if self.own_rank is not None:
@@ -451,9 +451,8 @@ class QuantizedReduceScatter(ReduceScatter):
             payloads.append(emit.traced(roles.REDUCE_COPY_IN, own, [flat]))
         return payloads
 
-    def _how(self) -> tuple[int, int, str]:
-        how = self.quantization
-        return how.block, how.bits, how.codes
+    def _how(self) -> tuple[int, int]:
+        return self.quantization.block, self.quantization.bits
 
     def issue(self, emit, stage, payloads, specs):
         payload, *own = payloads  # (world * payload_bytes,) uint8; this rank's exact row
@@ -475,12 +474,12 @@ class QuantizedReduceScatter(ReduceScatter):
         members still aligned to blocks; received (world * payload_bytes,): every rank's
         quantized row of ours; own: our exact row, aligned, in place of its quantized copy."""
         world, dtype, rank = self.world_size, self.dtype, self.own_rank
-        block, bits, codes = self._how()
+        block, bits = self._how()
 
         def summed(received, *own):
             rows = received.view(world, -1)
             numel = numel_of_payload(rows.shape[1], block, bits)  # aligned: the padding is 0
-            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype, codes)  # new
+            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)  # new
             if own:
                 (exact,) = own
                 values[rank, : exact.shape[0]] = exact
@@ -565,7 +564,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
         if stage == 0:
             return super().issue(emit, stage, payloads, specs)
         replicas, dtype = self.replicate_size, self.dtype
-        block, bits, codes = self._how()
+        block, bits = self._how()
         received, *own = payloads  # stage 1: and this rank's exact row (``own_rank``)
         value = received.meta["val"] if emit.in_graph else received
         if stage == 1:  # received: every row rank's quantized rows of ours
@@ -577,7 +576,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
                 summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
                 rows = summed.view(replicas, chunk)
-                rows = copy_ops.QUANTIZE_ROWS(rows, block, bits, True, codes)
+                rows = copy_ops.QUANTIZE_ROWS(rows, block, bits, True)
                 return rows.view(-1)
 
             payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
@@ -599,9 +598,9 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
 
         def requantized(received):
             received = received.view(replicas, -1)
-            rows = copy_ops.DEQUANTIZE_ROWS(received, chunk, block, bits, dtype, codes)
+            rows = copy_ops.DEQUANTIZE_ROWS(received, chunk, block, bits, dtype)
             summed = rows.sum(dim=0, keepdim=True)
-            return copy_ops.QUANTIZE_ROWS(summed, block, bits, True, codes).view(-1)
+            return copy_ops.QUANTIZE_ROWS(summed, block, bits, True).view(-1)
 
         payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received])
         work = emit.collective(
@@ -617,14 +616,14 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
         (gathered,) = reduced  # (replicas * chunk_payload,): every replica's summed chunk
-        block, bits, codes = self._how()
+        block, bits = self._how()
         sizes = arithmetic.sizes(specs)
         summed_numel = aligned_numel(sizes, block)
         chunk, replicas, dtype = self._chunk(summed_numel), self.replicate_size, self.dtype
 
         def values(gathered):
             rows = gathered.view(replicas, -1)
-            rows = copy_ops.DEQUANTIZE_ROWS(rows, chunk, block, bits, dtype, codes)
+            rows = copy_ops.DEQUANTIZE_ROWS(rows, chunk, block, bits, dtype)
             summed = rows.view(1, -1)[:, :summed_numel]
             return unalign_rows(summed, sizes, block).view(-1)
 

@@ -64,16 +64,14 @@ class Options:
     weight_quantization: "int8" sends the forward's all-gathers as blockwise int8 and their
         float32 scales (ZeRO++'s qwZ: about a quarter of fp32's bytes, half of bf16's); the
         backward's re-gathers stay in full precision. None (default): off.
-    gradient_quantization: "int8", "int4" or "fp4" reduces gradients as blockwise-quantized
-        rows exchanged with one all-to-all and summed in the reduction dtype by their owner, its
-        own row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding within
-        the row, then across the replicas as a quantized all-to-all of chunks and an all-gather
-        of their quantized sums (the replicas' shards stay identical). Rounding is stochastic
-        (unbiased) and each parameter's part starts a new block. "fp4": 4-bit codes of FP4
-        (E2M1) magnitudes, the bytes of "int4" with finer steps for a block's small elements
-        (the 4-bit setting that keeps the held-out loss within 1% on 4 ranks where "int4" does
-        not, bench/RESULTS.md). None (default): off.
-    quantization_block: elements per float32 scale of both (a multiple of 8; default 256).
+    gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
+        exchanged with one all-to-all and summed in the reduction dtype by their owner, its own
+        row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding within the
+        row, then across the replicas as a quantized all-to-all of chunks and an all-gather of
+        their quantized sums (the replicas' shards stay identical). Rounding is stochastic
+        (unbiased). None (default): off.
+    quantization_block: elements per float32 scale of both (a multiple of 8; default 256); each
+        parameter's part of a bucket starts a new block.
     secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
         gathered parameter, this node's share of it (1/k of it on each of a node's k ranks,
         held until backward), and the backward re-gathers it from the node's ranks only, never
@@ -201,9 +199,9 @@ class Options:
                 "zero3: option weight_quantization must be 'int8' or None, got "
                 f"{self.weight_quantization!r}"
             )
-        if self.gradient_quantization not in (None, "int8", "int4", "fp4"):
+        if self.gradient_quantization not in (None, "int8", "int4"):
             raise ValueError(
-                "zero3: option gradient_quantization must be 'int8', 'int4', 'fp4' or None, got "
+                "zero3: option gradient_quantization must be 'int8', 'int4' or None, got "
                 f"{self.gradient_quantization!r}"
             )
         block = self.quantization_block
