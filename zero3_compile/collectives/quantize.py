@@ -6,10 +6,9 @@ padded with zeros); each block is scaled by its largest magnitude into the symme
 range of ``bits`` (int8: -127..127, int4: -7..7) and rounded to nearest, so an element's error is
 at most half a step: ``amax(block) / (2 * levels)``; or, for gradients, stochastically (up with
 the probability of the fraction, the draw a hash of the element's position and bits): unbiased,
-reproducible, at most one step off.
-The payload that travels is one ``uint8`` tensor, the integers (int4: two per byte, low nibble
-first) followed by the float32 scales' bytes, so a compressed all-gather or all-to-all is still
-one collective::
+reproducible, at most one step off. The payload that travels is one ``uint8``
+tensor, the integers (int4: two per byte, low nibble first) followed by the float32 scales'
+bytes, so a compressed all-gather or all-to-all is still one collective::
 
     payload = [ q_0 q_1 ... q_{n-1} | scale_0 ... scale_{n/block-1} ]     # uint8
     n = padded numel (a multiple of block; block a multiple of 8, so the scales and every row

@@ -433,7 +433,7 @@ class QuantizedReduceScatter(ReduceScatter):
 
     def copy_in(self, emit, grads, specs):
         (flat,) = super().copy_in(emit, grads, specs)  # (world * bucket_numel,)
-        world, (block, bits) = self.world_size, self._how()
+        world, block, bits = self.world_size, self.quantization.block, self.quantization.bits
         sizes = arithmetic.sizes(specs)
 
         def payload(flat):  # gradients: stochastically, so the mean stays unbiased
@@ -450,9 +450,6 @@ class QuantizedReduceScatter(ReduceScatter):
 
             payloads.append(emit.traced(roles.REDUCE_COPY_IN, own, [flat]))
         return payloads
-
-    def _how(self) -> tuple[int, int]:
-        return self.quantization.block, self.quantization.bits
 
     def issue(self, emit, stage, payloads, specs):
         payload, *own = payloads  # (world * payload_bytes,) uint8; this rank's exact row
@@ -474,14 +471,14 @@ class QuantizedReduceScatter(ReduceScatter):
         members still aligned to blocks; received (world * payload_bytes,): every rank's
         quantized row of ours; own: our exact row, aligned, in place of its quantized copy."""
         world, dtype, rank = self.world_size, self.dtype, self.own_rank
-        block, bits = self._how()
+        block, bits = self.quantization.block, self.quantization.bits
 
         def summed(received, *own):
             rows = received.view(world, -1)
             numel = numel_of_payload(rows.shape[1], block, bits)  # aligned: the padding is 0
-            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)  # new
+            values = copy_ops.DEQUANTIZE_ROWS(rows, numel, block, bits, dtype)  # a new tensor
             if own:
-                (exact,) = own
+                (exact,) = own  # (aligned_numel,); its padding is 0 as the payload's
                 values[rank, : exact.shape[0]] = exact
             return values.sum(dim=0)
 
@@ -564,7 +561,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
         if stage == 0:
             return super().issue(emit, stage, payloads, specs)
         replicas, dtype = self.replicate_size, self.dtype
-        block, bits = self._how()
+        block, bits = self.quantization.block, self.quantization.bits
         received, *own = payloads  # stage 1: and this rank's exact row (``own_rank``)
         value = received.meta["val"] if emit.in_graph else received
         if stage == 1:  # received: every row rank's quantized rows of ours
@@ -575,8 +572,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             def chunks(received, *own):
                 summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
-                rows = summed.view(replicas, chunk)
-                rows = copy_ops.QUANTIZE_ROWS(rows, block, bits, True)
+                rows = copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
                 return rows.view(-1)
 
             payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
@@ -597,10 +593,8 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
         chunk = numel_of_payload(value.shape[0] // replicas, block, bits)
 
         def requantized(received):
-            received = received.view(replicas, -1)
-            rows = copy_ops.DEQUANTIZE_ROWS(received, chunk, block, bits, dtype)
-            summed = rows.sum(dim=0, keepdim=True)
-            return copy_ops.QUANTIZE_ROWS(summed, block, bits, True).view(-1)
+            rows = copy_ops.DEQUANTIZE_ROWS(received.view(replicas, -1), chunk, block, bits, dtype)
+            return copy_ops.QUANTIZE_ROWS(rows.sum(dim=0, keepdim=True), block, bits, True).view(-1)
 
         payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received])
         work = emit.collective(
@@ -616,7 +610,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
 
     def copy_out(self, emit, reduced, specs, shard_shapes):
         (gathered,) = reduced  # (replicas * chunk_payload,): every replica's summed chunk
-        block, bits = self._how()
+        block, bits = self.quantization.block, self.quantization.bits
         sizes = arithmetic.sizes(specs)
         summed_numel = aligned_numel(sizes, block)
         chunk, replicas, dtype = self._chunk(summed_numel), self.replicate_size, self.dtype
