@@ -159,12 +159,10 @@ def dequantize_rows(
     return values[:, :numel].to(dtype).contiguous()
 
 
-def round_trip(
-    rows: torch.Tensor, segments: Sequence[int], how: Quantization, stochastic: bool = False
-) -> torch.Tensor:
+def round_trip(rows: torch.Tensor, segments: Sequence[int], how: Quantization) -> torch.Tensor:
     """``rows`` (``(n, sum(segments))``) as their receiver gets them back in float32: aligned
-    (each segment starts a block), quantized, dequantized, unaligned."""
+    (each segment starts a block), quantized to nearest, dequantized, unaligned."""
     aligned = align_rows(rows, segments, how.block)
-    payload = quantize_rows(aligned, how.block, how.bits, stochastic)
+    payload = quantize_rows(aligned, how.block, how.bits)
     back = dequantize_rows(payload, aligned.shape[1], how.block, how.bits, torch.float32)
     return unalign_rows(back, segments, how.block)
