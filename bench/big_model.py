@@ -142,6 +142,11 @@ def parse_args(argv=None):
         help='JSON merged into the zero3 contender\'s compile options, e.g. \'{"reload_depth": 4}\'',
     )  # fmt: skip
     parser.add_argument(
+        "--io-trace", action="store_true",
+        help="record the steady steps' store transfers, then replay them with nothing else "
+        "running (both ranks at once): the disk's time for the step's own I/O pattern",
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="drop the page cache before each contender (root): the load reads the disk",
     )  # fmt: skip
@@ -279,6 +284,7 @@ class Phases:
         self.model = None
         self.opt = None
         self.device = _device_of(scratch) if scratch else None
+        self.trace: IoTrace | None = None  # on during the steady steps (``--io-trace``)
 
     def _counters(self) -> dict:
         stores = _stores(self.model, self.opt) if self.model is not None else []
@@ -309,9 +315,14 @@ class Phases:
         start_rss = _status_kib("VmRSS") * 1024
         print(f"[phase] {name}: starts at {start_rss / 1e9:.2f} GB resident", flush=True)
         before = self._counters()
+        traced = self.trace is not None and name == "steps"
+        if traced:
+            self.trace.on = True
         start = time.perf_counter()
         yield
         seconds = time.perf_counter() - start
+        if traced:
+            self.trace.on = False
         after = self._counters()
         self.records[name] = {
             "seconds": seconds,
@@ -331,6 +342,8 @@ class Phases:
         seconds = time.perf_counter() - start
         after = self._counters()
         record = self.records.setdefault(name, {"seconds": 0.0, **dict.fromkeys(after, 0)})
+        if self.trace is not None and name == "steps: forward":
+            self.trace.marks.append(start)
         record["seconds"] += seconds
         for key in after:
             record[key] += after[key] - before[key]
@@ -419,6 +432,8 @@ def run_zero3(rank, world, cfg: dict):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo")
     phases = Phases(cfg["scratch"])
+    if cfg.get("io_trace"):
+        phases.trace = IoTrace()
     scratch = os.path.join(cfg["scratch"], f"run-{cfg['tag']}")
     offload = _offload(z3, cfg, scratch)
     policy = z3.MixedPrecision(torch.bfloat16, torch.float32) if cfg["bf16"] else None
@@ -474,6 +489,18 @@ def run_zero3(rank, world, cfg: dict):
         result["after_save_loss"] = losses[-1]
         result["after_save_digest"] = _digest(model)
     dist.barrier()
+    if phases.trace is not None:  # last: the replay overwrites the stores' values
+        result["io_trace"] = phases.trace.summary()
+        phases.trace.save(os.path.join(cfg["out"], f"io-trace-{cfg['tag']}-rank{rank}.json"))
+        dist.barrier()
+        # the last step's transfers as traced, then as sequential as they can be, twice each in
+        # turn (the disk's rate drifts by the minute): the step's pattern against its bytes
+        stores, events = _stores(model, opt), phases.trace.last_step()
+        result["io_trace"]["replays"] = []
+        for order in ("traced", "sorted", "traced", "sorted"):
+            dist.barrier()
+            result["io_trace"]["replays"].append(phases.trace.replay(stores, events, order))
+        dist.barrier()
     return result
 
 
@@ -686,6 +713,134 @@ def _merge(into: dict, update: dict) -> None:
             into[key] = value
 
 
+# --------------------------------------------------------------------------- the step's I/O
+
+
+class IoTrace:
+    """Every transfer of the offload stores while ``on`` (``--io-trace``: the steady steps):
+    start and end times, the store's file, offset, bytes, direction. ``replay`` then moves the
+    same requests on the same files again with nothing else running: the disk's time for the
+    step's own pattern (sizes, offsets, concurrency), to set beside the step's and the
+    sequential test's."""
+
+    def __init__(self):
+        from zero3_compile.offload.store import DiskStore
+
+        self.on = False
+        self.events: list[tuple] = []  # (start, end, path, offset, nbytes, write)
+        self.marks: list[float] = []  # each traced step's start
+        original = DiskStore._transfer
+        trace = self
+
+        def traced(store, tensor, offset, nbytes, write):
+            start = time.perf_counter()
+            try:
+                return original(store, tensor, offset, nbytes, write)
+            finally:
+                if trace.on:  # list.append: atomic under the GIL, from any I/O thread
+                    trace.events.append(
+                        (start, time.perf_counter(), store.path, offset, nbytes, write)
+                    )
+
+        DiskStore._transfer = traced
+
+    def save(self, path: str) -> None:
+        """The transfers as JSON (times from the first one's start; each store's file by its
+        purpose, e.g. ``optimizer``), for ``bench/replay_io.py``."""
+        events = sorted(self.events)
+        first = events[0][0] if events else 0.0
+        with open(path, "w") as f:
+            json.dump(
+                [
+                    [round(a - first, 6), round(b - first, 6), os.path.basename(p), o, n, w]
+                    for a, b, p, o, n, w in events
+                ],
+                f,
+            )
+
+    def summary(self) -> dict:
+        """Bytes, the time at least one transfer was in flight (``busy_s``) and the mean number
+        in flight then, and the transfers' sizes."""
+        events = sorted(self.events)
+        busy, end, inflight = 0.0, None, 0.0
+        for start, stop, *_ in events:
+            inflight += stop - start
+            if end is None or start > end:
+                busy += stop - start
+                end = stop
+            elif stop > end:
+                busy += stop - end
+                end = stop
+        sizes = sorted(e[4] for e in events)
+        return {
+            "transfers": len(events),
+            "read": sum(e[4] for e in events if not e[5]),
+            "written": sum(e[4] for e in events if e[5]),
+            "busy_s": busy,
+            "mean_in_flight": inflight / busy if busy else 0.0,
+            "median_bytes": sizes[len(sizes) // 2] if sizes else 0,
+        }
+
+    def last_step(self) -> list[tuple]:
+        """The events of the last traced step (from its forward's start)."""
+        since = self.marks[-1] if self.marks else 0.0
+        return sorted(e for e in self.events if e[0] >= since)
+
+    def replay(self, stores: list, events: list[tuple], order: str = "traced") -> dict:
+        """``events`` again, on each store's file through a pool of that store's threads, as
+        fast as they go (no compute, no waits between them). ``order``: "traced", in the order
+        they started; "sorted", the same transfers with each store's reads and its writes in
+        ascending offsets, reads and writes of every store interleaved in proportion to their
+        bytes (the step's bytes moved as sequentially as they can be). The values are
+        overwritten: only after the run is done with them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        by_path = {s.path: s for s in stores if hasattr(s, "fd")}
+        events = [e for e in events if e[2] in by_path]
+        if order == "sorted":
+            streams: dict[tuple, list] = {}
+            for e in events:
+                streams.setdefault((e[2], e[5]), []).append(e)
+            keyed = []
+            for stream in streams.values():
+                stream.sort(key=lambda e: e[3])
+                total, done = sum(e[4] for e in stream), 0
+                for e in stream:
+                    keyed.append((done / total, e))
+                    done += e[4]
+            events = [e for _, e in sorted(keyed, key=lambda k: k[0])]
+        largest = max((e[4] for e in events), default=0)
+        local = threading.local()
+
+        def move(fd: int, offset: int, nbytes: int, write: bool) -> None:
+            buffer = getattr(local, "buffer", None)
+            if buffer is None:  # page-aligned (O_DIRECT), one per thread
+                buffer = local.buffer = mmap.mmap(-1, -(-largest // 4096) * 4096)
+            view = memoryview(buffer)[: -(-nbytes // 4096) * 4096]  # O_DIRECT: whole blocks
+            call = os.pwritev if write else os.preadv
+            done = 0
+            while done < len(view):
+                n = call(fd, [view[done:]], offset + done)
+                if n <= 0:  # a read past the file's end (a region's tail rounded up)
+                    break
+                done += n
+
+        pools = {
+            path: ThreadPoolExecutor(max_workers=store.pool._max_workers)
+            for path, store in by_path.items()
+        }
+        start = time.perf_counter()
+        futures = [pools[e[2]].submit(move, by_path[e[2]].fd, e[3], e[4], e[5]) for e in events]
+        for future in futures:
+            future.result()
+        for store in by_path.values():
+            os.fsync(store.fd)
+        seconds = time.perf_counter() - start
+        for pool in pools.values():
+            pool.shutdown()
+        return {"order": order, "seconds": seconds, "bytes": sum(e[4] for e in events)}
+
+
 # --------------------------------------------------------------------------- the disk
 
 
@@ -804,6 +959,12 @@ def report(args, shape, disk, runs, compute) -> str:
             + ", ".join(f"{k.split('_')[0]} {v}" for k, v in disk.get("streams", {}).items())
             + ")."
         )
+        if "after" in disk:
+            after = disk["after"]
+            lines.append(
+                f"Measured again after the runs: write {after['write_gbps']:.2f} GB/s, read "
+                f"{after['read_gbps']:.2f} GB/s, at once {after['mixed_gbps']:.2f} GB/s."
+            )
         lines.append("")
     for name, per_rank in runs.items():
         lines += [f"## {name}", "", "| phase | seconds | peak RSS GB (rank 0 / 1 / sum) | "
@@ -880,6 +1041,34 @@ def report(args, shape, disk, runs, compute) -> str:
                     f"the same bytes read and written at once: {mixed:.1f} s; step / "
                     f"max(compute, that) {step_s / max(compute or 0.0, mixed):.2f}"
                 )
+        if "io_trace" in per_rank[0] and steps:
+            traces = [r["io_trace"] for r in per_rank]
+            steps_s = max(r["phases"]["steps"]["seconds"] for r in per_rank)
+            last_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (
+                per_rank[0]["steps"] - 1
+            )
+            lines.append(
+                "the steady steps' store transfers, per rank: "
+                + "; ".join(
+                    f"{t['transfers']} transfers (median {t['median_bytes'] / 2**20:.1f} MiB), "
+                    f"{_gb(t['read'])} GB read + {_gb(t['written'])} GB written, some in flight "
+                    f"{t['busy_s']:.1f} s of {steps_s:.1f} ({t['mean_in_flight']:.1f} on average)"
+                    for t in traces
+                )
+            )
+            replays = list(zip(*(t["replays"] for t in traces)))  # per replay, each rank's
+            lines.append(
+                "the last step's transfers replayed on the same files with nothing else running "
+                "(both ranks at once, each store's threads; in turn as traced and sorted by "
+                "offset): "
+                + "; ".join(
+                    f"{rs[0]['order']} {max(r['seconds'] for r in rs):.1f} s "
+                    f"({sum(r['bytes'] for r in rs) / max(r['seconds'] for r in rs) / 1e9:.2f} "
+                    "GB/s)"
+                    for rs in replays
+                )
+                + f"; the step took {last_s:.1f} s (mean of the steady steps)"
+            )
         load = per_rank[0]["phases"].get("load")
         if load and disk:
             read = sum(max(r["phases"]["load"]["disk_read"], 0) for r in per_rank)
@@ -920,7 +1109,8 @@ def main(argv=None) -> None:
                 seq=args.seq, vocab=shape.vocab, hidden=shape.hidden, steps=args.steps, codegen=args.codegen,
                 bf16=args.bf16, checkpoint_model=checkpoint,
                 compile_once=args.compile_once, ds_config=args.ds_config,
-                zero3_options=json.loads(args.zero3_options or "{}"))  # fmt: skip
+                zero3_options=json.loads(args.zero3_options or "{}"),
+                io_trace=args.io_trace, out=args.out)  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
     if len(depths) >= 2:
@@ -968,6 +1158,9 @@ def main(argv=None) -> None:
             )
         runs[name] = per_rank
     shutil.rmtree(args.scratch, ignore_errors=True)  # offload files are unlinked already
+    if disk and args.io_trace:  # the disk's rate drifts: measured again beside the replays
+        disk["after"] = disk_bandwidth(args.scratch)
+        shutil.rmtree(args.scratch, ignore_errors=True)
     text = report(args, shape, disk, runs, compute)
     text += "".join(f"\n## {name}\n\nfailed: {why}\n" for name, why in failed.items())
     print(text)
