@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero3_compile as z3
-from zero3_compile.compat import ALL_GATHER, WAIT
+from zero3_compile.compat import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
 from zero3_compile.compiler.graph_facts import gathered_values
 from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.compiler.signature import most_in_flight, scheduled_events
@@ -168,6 +168,31 @@ def test_serial_collectives_option_decides_how_many_are_in_flight(fake_pg, seria
     events = scheduled_events(backward.gm.graph)
     assert sum(kind == "issue" for kind, _ in events) > 2
     assert most_in_flight(events) == (1 if serial is True else 2), events
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"weight_quantization": "int8"}, {"gradient_quantization": "int4"}],
+    ids=["qwz", "qgz"],
+)
+def test_quantized_collectives_are_serialized_as_well(fake_pg, options):
+    """qwZ's gathers of int8 payloads and qgZ's all-to-alls are collectives to the
+    serialization too: one in flight in every graph with it, more without (gloo's heap)."""
+    most = {}
+    for serial in (True, False):
+        options_of = {"codegen": "eager", "serial_collectives": serial, **options}
+        step = torch.compile(z3.shard(GPT(GPTConfig(n_layer=3))), backend="zero3",
+                             options=options_of)  # fmt: skip
+        with record_graphs() as records:
+            step(gpt_batch(2)[0]).sum().backward()
+        events = {r.kind: scheduled_events(r.gm.graph) for r in records}
+        most[serial] = {kind: most_in_flight(e) for kind, e in events.items()}
+        if "gradient_quantization" in options:
+            (backward,) = [r for r in records if r.kind == "backward"]
+            targets = [n.target for n in backward.gm.graph.nodes]
+            assert ALL_TO_ALL in targets and REDUCE_SCATTER not in targets
+    assert most[True] == {"forward": 1, "backward": 1}, most
+    assert max(most[False].values()) == 2, most
 
 
 def _gathered_intervals(gm: torch.fx.GraphModule) -> list[tuple[int, int, int]]:
