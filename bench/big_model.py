@@ -147,6 +147,11 @@ def parse_args(argv=None):
         "running (both ranks at once): the disk's time for the step's own I/O pattern",
     )  # fmt: skip
     parser.add_argument(
+        "--switch-interval", type=float, default=0.0,
+        help="the ranks' sys.setswitchinterval in seconds (Python's default 0.005): how long an "
+        "I/O thread may wait for the GIL the training thread holds",
+    )  # fmt: skip
+    parser.add_argument(
         "--cold", action="store_true",
         help="drop the page cache before each contender (root): the load reads the disk",
     )  # fmt: skip
@@ -430,6 +435,8 @@ def run_zero3(rank, world, cfg: dict):
     from zero3_compile import hf as z3hf
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if cfg.get("switch_interval"):
+        sys.setswitchinterval(cfg["switch_interval"])
     dist.init_process_group("gloo")
     phases = Phases(cfg["scratch"])
     if cfg.get("io_trace"):
@@ -947,6 +954,7 @@ def report(args, shape, disk, runs, compute) -> str:
         f"parameters + gradients + AdamW); {args.world} ranks, {args.seq} tokens per rank and "
         f"step, offload {args.offload} (gradients {args.grads}, "
         f"{'one copy' if args.single_copy else 'two copies'} on disk{', O_DIRECT' if args.o_direct else ''}), codegen {args.codegen}, bf16 {args.bf16}, THP {args.thp}, optimizer in backward {args.in_backward}, fused AdamW {args.fused_adamw}, I/O threads per store {args.io_threads}"
+        f"{f', GIL switch interval {args.switch_interval * 1e3:g} ms' if args.switch_interval else ''}"
         f"{'; zero3 options ' + args.zero3_options if args.zero3_options else ''}; torch "
         f"{torch.__version__}",
         "",
@@ -1110,7 +1118,8 @@ def main(argv=None) -> None:
                 bf16=args.bf16, checkpoint_model=checkpoint,
                 compile_once=args.compile_once, ds_config=args.ds_config,
                 zero3_options=json.loads(args.zero3_options or "{}"),
-                io_trace=args.io_trace, out=args.out)  # fmt: skip
+                io_trace=args.io_trace, out=args.out,
+                switch_interval=args.switch_interval)  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
     if len(depths) >= 2:
@@ -1124,6 +1133,8 @@ def main(argv=None) -> None:
             times.append(max(r["step_s"] for r in per_rank))
         (d1, d2), (t1, t2) = depths[:2], times
         compute = t1 + (shape.layers - d1) * (t2 - t1) / (d2 - d1)
+        print(f"compute alone: {t1:.2f} s at {d1} layers, {t2:.2f} s at {d2}: {compute:.1f} s "
+              f"at {shape.layers}", flush=True)  # fmt: skip
     runs, failed = {}, {}
     for name in [c for c in args.contenders.split(",") if c]:
         cfg = {**base, "tag": name, "save": args.checkpoint}
