@@ -16,6 +16,9 @@ Beside them, the physical limit: the disk's sequential bandwidth measured here w
 model without offload, at ``--compute-layers`` depths, extrapolated to the full depth), and the
 bound max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
 first steps, resumes it in new processes and checks the resumed step is bit-identical.
+``--io-trace`` records the stores' transfers in the steady steps and replays the last step's on
+the same files after the run (as traced, and sorted by offset): the disk's time for the step's
+own bytes and pattern, measured beside the step.
 """
 
 from __future__ import annotations
