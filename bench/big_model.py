@@ -755,8 +755,8 @@ class IoTrace:
         DiskStore._transfer = traced
 
     def save(self, path: str) -> None:
-        """The transfers as JSON (times from the first one's start; each store's file by its
-        purpose, e.g. ``optimizer``), for ``bench/replay_io.py``."""
+        """The transfers as JSON rows (start and end in seconds from the first one's start,
+        the store's file name, offset, bytes, write), to study after the run."""
         events = sorted(self.events)
         first = events[0][0] if events else 0.0
         with open(path, "w") as f:
