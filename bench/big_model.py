@@ -772,15 +772,11 @@ class IoTrace:
         """Bytes, the time at least one transfer was in flight (``busy_s``) and the mean number
         in flight then, and the transfers' sizes."""
         events = sorted(self.events)
-        busy, end, inflight = 0.0, None, 0.0
+        busy, end = 0.0, float("-inf")  # the union of the transfers' intervals
         for start, stop, *_ in events:
-            inflight += stop - start
-            if end is None or start > end:
-                busy += stop - start
-                end = stop
-            elif stop > end:
-                busy += stop - end
-                end = stop
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        inflight = sum(stop - start for start, stop, *_ in events)
         sizes = sorted(e[4] for e in events)
         return {
             "transfers": len(events),
@@ -1055,9 +1051,7 @@ def report(args, shape, disk, runs, compute) -> str:
         if "io_trace" in per_rank[0] and steps:
             traces = [r["io_trace"] for r in per_rank]
             steps_s = max(r["phases"]["steps"]["seconds"] for r in per_rank)
-            last_s = max(r["phases"]["steps"]["seconds"] for r in per_rank) / (
-                per_rank[0]["steps"] - 1
-            )
+            last_s = steps_s / (per_rank[0]["steps"] - 1)
             lines.append(
                 "the steady steps' store transfers, per rank: "
                 + "; ".join(
