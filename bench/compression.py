@@ -11,7 +11,9 @@ the mean over ranks), the held-out loss at the end, the bytes one step puts on t
 (from ``explain``: all-gathers and gradient reductions, before and after compression), and the
 step time here (loopback: bytes cost little, so it is not where compression pays). The recipe:
 AdamW at ``--lr`` (3e-3), ``--schedule constant`` or ``cosine`` (5% linear warmup, cosine decay to
-0.1x), ``--eval-batches`` held-out batches per rank (16).
+0.1x), ``--clip`` (the gradients' global 2-norm clipped to it before each step; 0: not clipped),
+``--rows`` sequences of 64 bytes per rank and step (8), ``--eval-batches`` held-out batches per
+rank (16).
 
 The ranks are laid out in nodes of ``--ranks-per-node`` k consecutive ranks (default 1: every
 byte crosses the network); hpZ's settings (``secondary_shard="node"``, k from
@@ -70,7 +72,7 @@ SETTINGS = {
 NODE_ROLE = "node"  # explain's group role of hpZ's node groups
 INTRA_GBPS = 1600
 MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
-SEQ, PER_RANK = 64, 8
+SEQ = 64
 WARMUP, FINAL_LR = 0.05, 0.1  # --schedule cosine: warmup share of the steps, final factor
 
 
@@ -111,6 +113,7 @@ def train(
     split = data.numel() * 9 // 10
     train_data, eval_data = data[:split], data[split:]
     preset = PRESETS[MODELS[model_name]]
+    rows = recipe.get("rows", 8)
     options = {"codegen": "eager", **SETTINGS[setting]}
     unsharded = build_model(preset, seed=seed, device="cpu")
     if options.pop("_one_ulp", False):
@@ -122,7 +125,7 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     report = None
     if world > 1:
-        x, _ = batch(train_data, PER_RANK, torch.Generator().manual_seed(99))
+        x, _ = batch(train_data, rows, torch.Generator().manual_seed(99))
         report = z3.explain(step_model, x).to_dict()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -130,11 +133,13 @@ def train(
     )
     losses, times = [], []
     for _ in range(steps):
-        inputs, targets = batch(train_data, world * PER_RANK, gen)  # the same on every rank
-        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        inputs, targets = batch(train_data, world * rows, gen)  # the same on every rank
+        mine = slice(rank * rows, (rank + 1) * rows)
         start = time.perf_counter()
         loss = lm_loss(step_model, (inputs[mine], targets[mine]))
         loss.backward()
+        if recipe.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip"])
         opt.step()
         opt.zero_grad()
         schedule.step()
@@ -147,7 +152,7 @@ def train(
     eval_losses = []
     with torch.no_grad():
         for _ in range(recipe["eval_batches"]):
-            eval_losses.append(lm_loss(step_model, batch(eval_data, PER_RANK, eval_gen)).item())
+            eval_losses.append(lm_loss(step_model, batch(eval_data, rows, eval_gen)).item())
     eval_loss = torch.tensor(statistics.fmean(eval_losses))
     if world > 1:
         dist.all_reduce(eval_loss)
@@ -194,6 +199,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's (peak) learning rate")
     parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
     parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches per rank")
+    parser.add_argument("--rows", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument(
+        "--clip", type=float, default=0.0, help="max global gradient 2-norm (0: no clipping)"
+    )
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--settings", default=None, help="default: every one that applies")
     parser.add_argument("--ranks-per-node", type=int, default=1)
@@ -212,7 +221,13 @@ def main() -> None:
     )
     parser.add_argument("--tag", default="", help="suffix of the results file's name")
     args = parser.parse_args()
-    recipe = {"lr": args.lr, "schedule": args.schedule, "eval_batches": args.eval_batches}
+    recipe = {
+        "lr": args.lr,
+        "schedule": args.schedule,
+        "eval_batches": args.eval_batches,
+        "rows": args.rows,
+        "clip": args.clip,
+    }
     per_node = args.ranks_per_node
     if args.world % per_node:
         parser.error("--ranks-per-node must divide --world")
@@ -321,34 +336,52 @@ def _print(results: dict) -> None:
     _print_paired(results)
 
 
+CURVE_WINDOW = 50  # steps per mean of the training loss when curves are compared
+
+
+def curve_gap(losses: list[float], base: list[float], window: int = CURVE_WINDOW) -> float:
+    """The largest relative difference (%) between two loss curves' means over consecutive
+    windows of ``window`` steps (single steps are one batch's noise)."""
+    gaps = [
+        statistics.fmean(losses[i : i + window]) / statistics.fmean(base[i : i + window]) - 1
+        for i in range(0, min(len(losses), len(base)) - window + 1, window)
+    ]
+    return max(gaps, key=abs) * 100
+
+
 def _print_paired(results: dict) -> None:
     """Each setting's held-out loss against the uncompressed run of the same seed (``--paired``):
-    the difference compression makes, apart from what the seed makes."""
+    the difference compression makes, apart from what the seed makes; and the training curves'
+    largest gap (means over ``CURVE_WINDOW`` steps)."""
     rows = []
     for model_name, entry in results["models"].items():
         runs = entry["runs"]
         seeds = sorted({0} | {int(k.rsplit(" ", 1)[1]) for k in runs if ", seed " in k})
         for setting in [k for k in runs if ", seed " not in k and k != "none"]:
-            diffs = []
+            diffs, gaps = [], []
             for seed in seeds:
                 key = setting if seed == 0 else f"{setting}, seed {seed}"
                 base = "none" if seed == 0 else f"none, seed {seed}"
                 if key in runs and base in runs:
                     diffs.append((runs[key]["eval_loss"] / runs[base]["eval_loss"] - 1) * 100)
+                    gaps.append(curve_gap(runs[key]["losses"], runs[base]["losses"]))
             if len(diffs) > 1:
-                rows.append((model_name, setting, diffs))
+                rows.append((model_name, setting, diffs, gaps))
     if not rows:
         return
     print(
-        "\nheld-out loss against the uncompressed run of the same seed\n\n"
-        "| model | setting | per seed | mean | largest |\n|---|---|---|---:|---:|"
+        "\nheld-out loss against the uncompressed run of the same seed; the training curve's "
+        f"largest gap ({CURVE_WINDOW}-step means)\n\n"
+        "| model | setting | per seed | mean | largest | curve gap per seed |\n"
+        "|---|---|---|---:|---:|---|"
     )
-    for model_name, setting, diffs in rows:
+    for model_name, setting, diffs, gaps in rows:
         cells = ", ".join(f"{d:+.2f}%" for d in diffs)
         largest = max(diffs, key=abs)
+        curve = ", ".join(f"{g:+.2f}%" for g in gaps)
         print(
             f"| {model_name} | {setting} | {cells} | {statistics.fmean(diffs):+.2f}% | "
-            f"{largest:+.2f}% |"
+            f"{largest:+.2f}% | {curve} |"
         )
 
 
