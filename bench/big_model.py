@@ -13,8 +13,9 @@ start of each phase), bytes read and written (the offload stores' counters and t
 ``/proc/self/io``), the I/O time the step waited for (exposed) against the store threads' total.
 Beside them, the physical limit: the disk's sequential bandwidth measured here with ``O_DIRECT``
 (16 MiB blocks, the best of 1, 2 and 4 streams), the step's compute time without I/O (the same
-model without offload, at ``--compute-layers`` depths, extrapolated to the full depth), and the
-bound max(compute, bytes moved / bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
+model without offload, at ``--compute-layers`` depths, alternated ``--compute-repeats`` times, a
+line fitted and extrapolated to the full depth), and the bound max(compute, bytes moved /
+bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
 first steps, resumes it in new processes and checks the resumed step is bit-identical.
 ``--io-trace`` records the stores' transfers in the steady steps and replays the last step's on
 the same files after the run (as traced, and sorted by offset): the disk's time for the step's
@@ -124,7 +125,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--compute-layers",
         default="",
-        help="e.g. 1,4: measure compute alone (in memory at both depths, extrapolated)",
+        help="e.g. 1,4: measure compute alone (in memory at these depths, a line fitted, "
+        "extrapolated)",
+    )
+    parser.add_argument(
+        "--compute-repeats",
+        type=int,
+        default=1,
+        help="runs per --compute-layers depth, the depths alternated",
     )
     parser.add_argument("--cache", default=os.path.join(HERE, "out", "big", "checkpoints"))
     parser.add_argument("--scratch", default=os.path.join(HERE, "out", "big", "scratch"))
@@ -1095,6 +1103,45 @@ def report(args, shape, disk, runs, compute) -> str:
     return "\n".join(lines)
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``t = a + b * depth`` through ``(depth, t)`` points: ``(a, b)``."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def measure_compute(args, shape: Shape, base: dict, depths: list[int], logs: str, env: dict):
+    """The step without I/O at the full depth, from in-memory runs at ``depths``: the depths
+    alternated ``--compute-repeats`` times (the machine's speed drifts between runs), a line
+    fitted through every run's step time. Prints each run, the fit and the spread of the
+    extrapolations of each repetition on its own."""
+    samples: list[tuple[int, int, float]] = []  # (repetition, depth, seconds)
+    for rep in range(args.compute_repeats):
+        for depth in depths:
+            small = write_checkpoint(
+                os.path.join(args.cache, f"{args.model}-l{depth}"), shape, depth
+            )
+            per_rank = run_ranks(run_compute, args.world, ({**base, "checkpoint": small},),
+                                 log_dir=logs, name=f"compute-l{depth}-r{rep}", timeout_s=7200,
+                                 env=env)  # fmt: skip
+            seconds = max(r["step_s"] for r in per_rank)
+            samples.append((rep, depth, seconds))
+            print(
+                f"compute alone: {seconds:.2f} s at {depth} layers (repetition {rep})", flush=True
+            )
+    a, b = fit_line([(d, t) for _, d, t in samples])
+    compute = a + b * shape.layers
+    each = []
+    for rep in range(args.compute_repeats):
+        ra, rb = fit_line([(d, t) for r, d, t in samples if r == rep])
+        each.append(ra + rb * shape.layers)
+    print(f"compute alone at {shape.layers} layers: {compute:.1f} s ({a:.2f} s + {b:.3f} s a "
+          f"layer, fitted to {len(samples)} runs); each repetition alone "
+          f"{', '.join(f'{x:.1f}' for x in each)} s", flush=True)  # fmt: skip
+    return compute
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     shape = SHAPES[args.model]
@@ -1119,19 +1166,8 @@ def main(argv=None) -> None:
                 switch_interval=args.switch_interval)  # fmt: skip
     compute = None
     depths = [int(x) for x in args.compute_layers.split(",") if x]
-    if len(depths) >= 2:
-        times = []
-        for depth in depths[:2]:
-            small = write_checkpoint(
-                os.path.join(args.cache, f"{args.model}-l{depth}"), shape, depth
-            )
-            per_rank = run_ranks(run_compute, args.world, ({**base, "checkpoint": small},),
-                                 log_dir=logs, name=f"compute-l{depth}", timeout_s=7200, env=env)  # fmt: skip
-            times.append(max(r["step_s"] for r in per_rank))
-        (d1, d2), (t1, t2) = depths[:2], times
-        compute = t1 + (shape.layers - d1) * (t2 - t1) / (d2 - d1)
-        print(f"compute alone: {t1:.2f} s at {d1} layers, {t2:.2f} s at {d2}: {compute:.1f} s "
-              f"at {shape.layers}", flush=True)  # fmt: skip
+    if len(set(depths)) >= 2:
+        compute = measure_compute(args, shape, base, depths, logs, env)
     runs, failed = {}, {}
     for name in [c for c in args.contenders.split(",") if c]:
         cfg = {**base, "tag": name, "save": args.checkpoint}
