@@ -16,7 +16,9 @@ Beside them, the physical limit: the disk's sequential bandwidth measured here w
 model without offload, at ``--compute-layers`` depths, alternated ``--compute-repeats`` times, a
 line fitted and extrapolated to the full depth), and the bound max(compute, bytes moved /
 bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
-first steps, resumes it in new processes and checks the resumed step is bit-identical.
+first steps, resumes it in new processes and checks the resumed step is bit-identical; with
+``--kill`` rank 1 is SIGKILLed halfway into a step after the save, the offload folder is checked
+for files left behind, and the resume starts from the checkpoint alone.
 ``--io-trace`` records the stores' transfers in the steady steps and replays the last step's on
 the same files after the run (as traced, and sorted by offset): the disk's time for the step's
 own bytes and pattern, measured beside the step.
@@ -33,6 +35,7 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import statistics
 import sys
 import threading
@@ -117,6 +120,12 @@ def parse_args(argv=None):
     parser.add_argument("--codegen", choices=["eager", "inductor"], default="eager")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (MixedPrecision)")
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument(
+        "--kill",
+        action="store_true",
+        help="with --checkpoint: after the checked step, rank 1 is SIGKILLed halfway into one "
+        "more step; the resume then starts from the sealed checkpoint alone",
+    )
     parser.add_argument(
         "--compile-once",
         action="store_true",
@@ -506,6 +515,8 @@ def run_zero3(rank, world, cfg: dict):
         step(steps)  # the step a resumed run must reproduce
         result["after_save_loss"] = losses[-1]
         result["after_save_digest"] = _digest(model)
+        if cfg.get("kill"):
+            _killed_mid_step(rank, cfg, result, step, steps + 1)
     dist.barrier()
     if phases.trace is not None:  # last: the replay overwrites the stores' values
         result["io_trace"] = phases.trace.summary()
@@ -520,6 +531,37 @@ def run_zero3(rank, world, cfg: dict):
             result["io_trace"]["replays"].append(phases.trace.replay(stores, events, order))
         dist.barrier()
     return result
+
+
+def _kill_result(cfg: dict, rank: int) -> str:
+    return os.path.join(cfg["out"], f"killed-{cfg['tag']}-rank{rank}.json")
+
+
+def _killed_mid_step(rank: int, cfg: dict, result: dict, step, index: int) -> None:
+    """``--kill``: this rank's result goes to a file, then rank 1 is SIGKILLed halfway into one
+    more step (its collectives, offload reads and writes in flight) and rank 0 fails in it or
+    at the barrier after it; never returns."""
+    with open(_kill_result(cfg, rank), "w") as f:
+        json.dump(result, f, default=str)
+    dist.barrier()
+    if rank == 1:
+        seconds = result["phases"]["steps"]["seconds"] / max(1, cfg["steps"] - 1)
+        threading.Timer(seconds / 2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    step(index)
+    if rank == 1:  # the step ran faster than half a step: killed after it instead
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0: fails here at the latest (its peer is gone)
+    raise RuntimeError("zero3: rank 1 was to be killed, but the ranks finished the step")
+
+
+def _left_behind(scratch: str) -> list[str]:
+    """Files under the offload folder outside the checkpoint (a store unlinks its files once
+    opened, so a killed run must leave none)."""
+    found = []
+    for folder, subfolders, files in os.walk(scratch):
+        subfolders[:] = [d for d in subfolders if d != "checkpoint"]
+        found += [os.path.join(folder, name) for name in files]
+    return found
 
 
 def run_resume(rank, world, cfg: dict):
@@ -1097,6 +1139,8 @@ def report(args, shape, disk, runs, compute) -> str:
                 f"checkpoint: {_gb(per_rank[0]['checkpoint_bytes'])} GB saved in {save:.1f} s "
                 f"({per_rank[0]['checkpoint_bytes'] / save / 1e9:.2f} GB/s)"
             )
+        if "killed" in per_rank[0]:
+            lines.append(per_rank[0]["killed"])
         if "resume" in per_rank[0]:
             lines.append(per_rank[0]["resume"])
         lines.append("")
@@ -1178,15 +1222,34 @@ def main(argv=None) -> None:
         shutil.rmtree(args.scratch, ignore_errors=True)
         fn = {"zero3": run_zero3, "fsdp2": run_fsdp2, "deepspeed": run_deepspeed}[name]
         extra = {"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else {}
+        kill = name == "zero3" and args.checkpoint and args.kill
+        cfg["kill"] = kill
+        for rank in range(args.world):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(_kill_result(cfg, rank))
         try:
             per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name,
                                  timeout_s=14400, env={**env, **extra})  # fmt: skip
-        except RankError as error:  # an OOM kill is a result: say so and go on
+        except RankError as error:
+            if not (kill and all(os.path.exists(_kill_result(cfg, r)) for r in range(args.world))):
+                # an OOM kill is a result: say so and go on. The first line names the rank; the
+                # last, what stopped it (the traceback's end)
+                lines = str(error).splitlines()
+                failed[name] = " ".join(lines[:1] + lines[-1:])[:400]
+                print(f"{name}: failed:\n{error}", flush=True)
+                continue
+            per_rank = []
+            for rank in range(args.world):
+                with open(_kill_result(cfg, rank)) as f:
+                    per_rank.append(json.load(f))
+            left = _left_behind(args.scratch)
             lines = str(error).splitlines()
-            # the first line names the rank; the last, what stopped it (the traceback's end)
-            failed[name] = " ".join(lines[:1] + lines[-1:])[:400]
-            print(f"{name}: failed:\n{error}", flush=True)
-            continue
+            per_rank[0]["killed"] = (
+                f"rank 1 SIGKILLed halfway into step {args.steps + 2}: {lines[0][:100]} "
+                f"{lines[-1][:200]}; files left in the offload folder: "
+                f"{len(left)}{' ' + ', '.join(left[:4]) if left else ''}"
+            )
+            print(per_rank[0]["killed"], flush=True)
         if name == "zero3" and args.checkpoint:
             resumed = run_ranks(run_resume, args.world, (cfg,), log_dir=logs, name="resume",
                                 timeout_s=14400, env=env)  # fmt: skip
