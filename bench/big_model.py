@@ -15,10 +15,10 @@ Beside them, the physical limit: the disk's sequential bandwidth measured here w
 (16 MiB blocks, the best of 1, 2 and 4 streams), the step's compute time without I/O (the same
 model without offload, at ``--compute-layers`` depths, alternated ``--compute-repeats`` times, a
 line fitted and extrapolated to the full depth), and the bound max(compute, bytes moved /
-bandwidth). ``--checkpoint`` saves a sealed checkpoint after the
-first steps, resumes it in new processes and checks the resumed step is bit-identical; with
-``--kill`` rank 1 is SIGKILLed halfway into a step after the save, the offload folder is checked
-for files left behind, and the resume starts from the checkpoint alone.
+bandwidth). ``--checkpoint`` saves a sealed checkpoint after the first steps, resumes it in new
+processes and checks the resumed step is bit-identical; with ``--kill`` rank 1 is SIGKILLed
+halfway into a step after the save, the offload folder is checked for files left behind, and the
+resume starts from the checkpoint alone.
 ``--io-trace`` records the stores' transfers in the steady steps and replays the last step's on
 the same files after the run (as traced, and sorted by offset): the disk's time for the step's
 own bytes and pattern, measured beside the step.
