@@ -1147,14 +1147,6 @@ def report(args, shape, disk, runs, compute) -> str:
     return "\n".join(lines)
 
 
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``t = a + b * depth`` through ``(depth, t)`` points: ``(a, b)``."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
 def measure_compute(args, shape: Shape, base: dict, depths: list[int], logs: str, env: dict):
     """The step without I/O at the full depth, from in-memory runs at ``depths``: the depths
     alternated ``--compute-repeats`` times (the machine's speed drifts between runs), a line
@@ -1174,13 +1166,16 @@ def measure_compute(args, shape: Shape, base: dict, depths: list[int], logs: str
             print(
                 f"compute alone: {seconds:.2f} s at {depth} layers (repetition {rep})", flush=True
             )
-    a, b = fit_line([(d, t) for _, d, t in samples])
-    compute = a + b * shape.layers
-    each = []
-    for rep in range(args.compute_repeats):
-        ra, rb = fit_line([(d, t) for r, d, t in samples if r == rep])
-        each.append(ra + rb * shape.layers)
-    print(f"compute alone at {shape.layers} layers: {compute:.1f} s ({a:.2f} s + {b:.3f} s a "
+
+    def at_full_depth(runs):  # least squares through (depth, seconds), at the model's depth
+        line = statistics.linear_regression([d for _, d, _ in runs], [t for _, _, t in runs])
+        return line.intercept + line.slope * shape.layers, line
+
+    compute, line = at_full_depth(samples)
+    each = [
+        at_full_depth([x for x in samples if x[0] == rep])[0] for rep in range(args.compute_repeats)
+    ]
+    print(f"compute alone at {shape.layers} layers: {compute:.1f} s ({line.intercept:.2f} s + {line.slope:.3f} s a "
           f"layer, fitted to {len(samples)} runs); each repetition alone "
           f"{', '.join(f'{x:.1f}' for x in each)} s", flush=True)  # fmt: skip
     return compute
@@ -1231,10 +1226,10 @@ def main(argv=None) -> None:
             per_rank = run_ranks(fn, args.world, (cfg,), log_dir=logs, name=name,
                                  timeout_s=14400, env={**env, **extra})  # fmt: skip
         except RankError as error:
+            # the first line names the rank; the last, what stopped it (the traceback's end)
+            lines = str(error).splitlines()
             if not (kill and all(os.path.exists(_kill_result(cfg, r)) for r in range(args.world))):
-                # an OOM kill is a result: say so and go on. The first line names the rank; the
-                # last, what stopped it (the traceback's end)
-                lines = str(error).splitlines()
+                # an OOM kill is a result: say so and go on
                 failed[name] = " ".join(lines[:1] + lines[-1:])[:400]
                 print(f"{name}: failed:\n{error}", flush=True)
                 continue
@@ -1243,7 +1238,6 @@ def main(argv=None) -> None:
                 with open(_kill_result(cfg, rank)) as f:
                     per_rank.append(json.load(f))
             left = _left_behind(args.scratch)
-            lines = str(error).splitlines()
             per_rank[0]["killed"] = (
                 f"rank 1 SIGKILLed halfway into step {args.steps + 2}: {lines[0][:100]} "
                 f"{lines[-1][:200]}; files left in the offload folder: "
