@@ -18,6 +18,7 @@ from zero3_compile.collectives import quantize
 from zero3_compile.collectives.schemes import (
     EAGER,
     QuantizedAllGather,
+    QuantizedHybridReduce,
     QuantizedReduceScatter,
     gather_scheme,
     reduce_scheme,
@@ -275,6 +276,95 @@ class _Received:
 
     def traced(self, role, fn, inputs):
         return fn(*inputs)
+
+
+class _Exchange:
+    """An ``Emit`` for one rank of a simulated mesh: a collective records what the rank sends
+    and returns this emit; once every member has sent, ``deliver`` sets what it receives."""
+
+    in_graph = False
+
+    def collective(self, role, group_role, target, payload, *args, full_bytes=None):
+        self.sent, self.received = payload, None
+        return self
+
+    def wait(self, role, work):
+        return work.received
+
+    def traced(self, role, fn, inputs):
+        return fn(*inputs)
+
+
+def _deliver(members: list[_Exchange], all_to_all: bool) -> None:
+    n = len(members)
+    for k, member in enumerate(members):
+        if all_to_all:  # member k receives row k of every member's payload
+            member.received = torch.cat([m.sent.view(n, -1)[k] for m in members])
+        else:
+            member.received = torch.cat([m.sent for m in members])
+
+
+def _hybrid_reduce(grads: dict, shape, bits: int, keep_own: bool) -> torch.Tensor:
+    """The reduced shards of a simulated 2 x 2 mesh (2 replicas of a row of 2; ``grads``: (replica,
+    row rank) -> gradient), every collective delivered by hand, in row-rank order; the replicas'
+    copies checked identical."""
+    world, replicas = 2, 2
+    ranks = [(i, r) for i in range(replicas) for r in range(world)]
+    specs = [spec_of_shape(shape, world)]
+    schemes = {
+        (i, r): QuantizedHybridReduce(
+            torch.float32,
+            torch.float32,
+            world_size=world,
+            group="g",
+            quantization=quantize.Quantization(bits, 16),
+            own_rank=r,
+            replicate_group="rg",
+            replicate_size=replicas,
+            own_replica=i if keep_own else None,
+        )
+        for i, r in ranks
+    }
+    emits = {k: _Exchange() for k in ranks}
+    works = {
+        k: schemes[k].issue(emits[k], 0, schemes[k].copy_in(EAGER, [grads[k]], specs), specs)
+        for k in ranks
+    }
+    rows = [[(i, r) for r in range(world)] for i in range(replicas)]
+    across = [[(i, r) for i in range(replicas)] for r in range(world)]
+    for stage, groups in enumerate((rows, across, across)):
+        for group in groups:
+            _deliver([emits[k] for k in group], all_to_all=stage < 2)
+        waited = {k: schemes[k].wait(emits[k], stage, works[k]) for k in ranks}
+        if stage < 2:
+            works = {k: schemes[k].issue(emits[k], stage + 1, waited[k], specs) for k in ranks}
+    out = []
+    for r in range(world):
+        shapes = [_shard(torch.empty(shape), world, r).shape]
+        copies = [schemes[i, r].copy_out(EAGER, waited[i, r], specs, shapes)[0] for i in range(2)]
+        assert torch.equal(copies[0], copies[1])  # every replica reads the same values
+        out.append(copies[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_hybrid_reduction_keeps_each_replicas_own_chunk_exact(bits):
+    """Hybrid qgZ rounds four times on the way (the row partner's row, this replica's chunk of
+    the row's sum, the other replica's chunk, the replicas' sum); each replica keeping its own
+    chunk exact (``own_replica``) drops the second: the squared error falls by about a quarter
+    (stochastic roundings of similar steps add their variances), and stays within the four
+    steps' bound."""
+    torch.manual_seed(bits)
+    shape = (128, 64)
+    grads = {(i, r): torch.randn(shape) for i in range(2) for r in range(2)}
+    mean = sum(grads.values()) / 4
+    kept, sent = (_hybrid_reduce(grads, shape, bits, keep) for keep in (True, False))
+    # under one step per rounding: of a row (amax <= M), of a pair's sum (2M), of all four's
+    # (4M), the sum divided by 4
+    top = max(g.abs().max() for g in grads.values())
+    assert (kept - mean).abs().max() <= (1 + 2 + 4) * top / quantize.LEVELS[bits] / 4
+    ratio = ((kept - mean) ** 2).mean() / ((sent - mean) ** 2).mean()
+    assert 0.6 < ratio < 0.9, ratio
 
 
 def test_options_are_validated_with_the_fix():

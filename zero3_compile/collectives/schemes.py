@@ -540,6 +540,12 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
     once more and all-gathered (stage 2). Every replica dequantizes the same gathered payloads,
     so the replicas' shards stay identical; both roundings are stochastic (unbiased).
 
+    ``own_replica`` set (this rank's index in the replicate group): as the row's own row in
+    stage 0, its own chunk of stage 1 never crosses the wire: kept exact beside the payload and
+    summed in place of its quantized copy, so of the replicas' contributions only the other
+    ``replicate_size - 1`` carry that stage's noise. Stage 2's quantized sum cannot be kept
+    exact: every replica must read the same values.
+
     ```
     row:       all_to_all(q(rows)) ─► sum(dq, own) = s     (bucket_numel,)      shard group
     replicas:  all_to_all(q(chunks of s)) ─► sum(dq) = c   (chunk,)             replicate group
@@ -553,9 +559,18 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
         (roles.REPLICA_ALL_REDUCE, roles.REPLICA_WAIT),
     )
 
+    own_replica: int | None = None
+
+    def key(self) -> tuple:
+        return (*super().key(), self.own_replica)
+
     def _chunk(self, summed_numel: int) -> int:
         """Elements of each replica's chunk of a summed shard of ``summed_numel``: whole blocks."""
         return padded_numel(-(-summed_numel // self.replicate_size), self.quantization.block)
+
+    def wait(self, emit, stage, works):
+        work, *own = works  # an exact row or chunk is a value, not a collective
+        return [emit.wait(self.stage_roles[stage][1], work), *own]
 
     def issue(self, emit, stage, payloads, specs):
         if stage == 0:
@@ -569,13 +584,18 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             chunk = self._chunk(summed_numel)
             summed_fn = self._summed_fn()
 
+            mine = self.own_replica
+
             def chunks(received, *own):
                 summed = summed_fn(received, *own)
                 summed = torch.nn.functional.pad(summed, (0, replicas * chunk - summed.shape[0]))
-                rows = copy_ops.QUANTIZE_ROWS(summed.view(replicas, chunk), block, bits, True)
-                return rows.view(-1)
+                rows = summed.view(replicas, chunk)
+                payload = copy_ops.QUANTIZE_ROWS(rows, block, bits, True).view(-1)
+                if mine is None:
+                    return [payload]
+                return [payload, rows[mine].clone()]  # our own chunk, exact
 
-            payload = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
+            payload, *mine_exact = emit.traced(roles.REDUCE_COPY_OUT, chunks, [received, *own])
             splits = [payload_bytes(chunk, block, bits)] * replicas
             work = emit.collective(
                 roles.REPLICA_ALL_REDUCE,
@@ -588,15 +608,18 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
                 # the uncompressed all-reduce's: the summed row, not its aligned blocks
                 full_bytes=sum(arithmetic.sizes(specs)) * dtype.itemsize,
             )
-            return [work]
-        # stage 2; received: every replica's quantized chunk of ours
+            return [work, *mine_exact]
+        # stage 2; received: every replica's quantized chunk of ours; own: ours, exact
         chunk = numel_of_payload(value.shape[0] // replicas, block, bits)
+        mine = self.own_replica
 
-        def requantized(received):
+        def requantized(received, *own):
             rows = copy_ops.DEQUANTIZE_ROWS(received.view(replicas, -1), chunk, block, bits, dtype)
+            if own:
+                rows[mine] = own[0]
             return copy_ops.QUANTIZE_ROWS(rows.sum(dim=0, keepdim=True), block, bits, True).view(-1)
 
-        payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received])
+        payload = emit.traced(roles.REDUCE_COPY_OUT, requantized, [received, *own])
         work = emit.collective(
             roles.REPLICA_ALL_REDUCE,
             roles.GROUP_REPLICATE,
@@ -709,6 +732,7 @@ def reduce_scheme(
             replicas = {
                 "replicate_group": spec.replicate_group,
                 "replicate_size": spec.replicate_size,
+                "own_replica": group_rank(spec.replicate_group),
             }
             return QuantizedHybridReduce(dtype, shard_dtype, traced_copies, **row, **replicas)
         return QuantizedReduceScatter(dtype, shard_dtype, traced_copies, **row)
