@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._pytree import tree_map
 
-from .store import Region
+from .store import Region, read_target
 
 aten = torch.ops.aten
 _local = threading.local()
@@ -80,7 +80,7 @@ class StoredTensor(torch.Tensor):
         return f"StoredTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def materialize(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = read_target(self._store, self.shape, self.dtype, self.device)
         self._store.read(self._region, out)
         return out
 

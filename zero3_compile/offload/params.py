@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..compat import storage_key
 from .origins import take_origin
-from .store import DiskStore, FileRows, HostStore, OffloadError, Region, aligned_empty
+from .store import DiskStore, FileRows, HostStore, OffloadError, Region, read_target
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +256,9 @@ def readable(shard: torch.Tensor) -> torch.Tensor:
     state = state_of_storage(shard)
     if state is None or not state.offload.evicted:
         return shard
-    out = _empty_for(state.offload.store, shard)
+    out = read_target(state.offload.store, shard.shape, shard.dtype, shard.device)
     state.offload.store.read(state.offload.region, out)
     return out
-
-
-def _empty_for(store, shard: torch.Tensor) -> torch.Tensor:
-    """A tensor to read ``shard`` into: for an O_DIRECT store, at an aligned address (read
-    without a staging copy)."""
-    if getattr(store, "o_direct", False) and shard.device.type == "cpu":
-        return aligned_empty(shard.shape, shard.dtype)
-    return torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
 
 
 def reload_async(shard: torch.Tensor, last: bool = False, owned: bool = True):
@@ -284,7 +276,7 @@ def reload_async(shard: torch.Tensor, last: bool = False, owned: bool = True):
     state = state_of_storage(shard)
     if state is None or not state.offload.evicted:
         return shard.clone(memory_format=torch.contiguous_format), _done
-    out = _empty_for(state.offload.store, shard)
+    out = read_target(state.offload.store, shard.shape, shard.dtype, shard.device)
     record = state.offload
     store = record.store
     keeper = _keepers.get(state) if last else None

@@ -194,10 +194,21 @@ def _aligned(n: int) -> int:
 def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose memory starts at an ``_ALIGN`` boundary: O_DIRECT
     reads and writes it without a staging copy."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if tensor.data_ptr() % _ALIGN == 0:  # the host cache's blocks are: a storage of its own size
+        return tensor
     nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % _ALIGN
     return raw[shift : shift + nbytes].view(dtype).view(shape)
+
+
+def read_target(store, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor to read a region of ``store`` into: for an O_DIRECT store, at an aligned address
+    (read straight into it, not chunk by chunk through a staging buffer and a copy)."""
+    if getattr(store, "o_direct", False) and torch.device(device).type == "cpu":
+        return aligned_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:
