@@ -36,6 +36,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -63,6 +65,7 @@ MANIFEST = "zero3_manifest.json"
 _MANIFEST_FORMAT = "zero3-checkpoint-manifest"
 _MANIFEST_VERSION = 1
 _METADATA = ".metadata"
+_SAVE_THREADS = 2  # writer threads of a save of offloaded values (two tensors held at a time)
 ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other's answer
 
 
@@ -126,11 +129,22 @@ def save_checkpoint(
         if rank == 0:
             _remove_stale_staging(path, keep=staging)
         # torch's writer keeps every tensor of a file alive until the file is closed: offloaded
-        # values, read as they are written, go one tensor per file so one is held at a time
-        writer = FileSystemWriter(staging, single_file_per_rank=not holds_deferred(state))
+        # values, read as they are written, go one tensor per file so one is held at a time by
+        # each of two writer threads (one's read from the store overlaps the other's write).
+        # No fsync per file as it is written (a wait on the disk each): sealing fsyncs them all
+        # before the manifest names them
+        deferred = holds_deferred(state)
+        writer = FileSystemWriter(
+            staging,
+            single_file_per_rank=not deferred,
+            thread_count=_SAVE_THREADS if deferred else 1,
+            sync_files=False,
+        )
+        writer.fs = hashing = _HashingFileSystem()  # the manifest's digests, as bytes go out
         dcp.save(state, storage_writer=writer, planner=_ReadingPlanner())
         records = _exchange(
-            lambda: _seal_own_files(staging, rank, rank_state), "sealing the written files"
+            lambda: _seal_own_files(staging, rank, rank_state, hashing.digests),
+            "sealing the written files",
         )
         _exchange(
             lambda: _write_manifest(staging, save_id, world, records) if rank == 0 else None,
@@ -288,8 +302,11 @@ def _rank_state_name(rank: int) -> str:
     return f"zero3_rank_state.{rank}.pt"
 
 
-def _seal_own_files(staging: str, rank: int, rank_state: Any) -> dict[str, dict[str, Any]]:
-    """Write this rank's ``rank_state``; return size and sha256 of every file this rank wrote."""
+def _seal_own_files(
+    staging: str, rank: int, rank_state: Any, written: dict[str, tuple[int, str]]
+) -> dict[str, dict[str, Any]]:
+    """Write this rank's ``rank_state``; fsync every file this rank wrote and return its size and
+    sha256: as hashed while it was written (``written``, by path), else read back."""
     names = sorted(
         n for n in os.listdir(staging) if n.startswith(f"__{rank}_") and n.endswith(".distcp")
     )
@@ -302,7 +319,11 @@ def _seal_own_files(staging: str, rank: int, rank_state: Any) -> dict[str, dict[
         names.append(_rank_state_name(rank))
     records = {}
     for name in names:
-        size, digest = _digest(os.path.join(staging, name))
+        file = os.path.join(staging, name)
+        _fsync_file(file)
+        size, digest = written.get(file, (-1, ""))
+        if size != os.path.getsize(file):  # not hashed as written (renamed, or appended to)
+            size, digest = _digest(file)
         records[name] = {"size": size, "sha256": digest, "rank": rank}
     return records
 
@@ -342,6 +363,68 @@ def _write_durably(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class _HashingFileSystem(FileSystem):
+    """The checkpoint writer's file system: each file opened for writing is hashed as its bytes
+    go out (in the writer's threads), so sealing does not read the checkpoint back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb":
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sha is not None:
+            with self._lock:
+                self.digests[os.fspath(path)] = (hashing.size, hashing.sha.hexdigest())
+
+
+class _HashingStream(io.RawIOBase):
+    """A file being written from its start, hashed on the way; any seek gives the hash up."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.size, self.sha = raw, 0, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        written = self.raw.write(data)
+        if self.sha is not None:
+            view = memoryview(data).cast("B")[:written]
+            self.sha.update(view)
+            self.size += len(view)
+        return written
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.sha = None
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
