@@ -311,20 +311,17 @@ def _hybrid_reduce(grads: dict, shape, bits: int, keep_own: bool) -> torch.Tenso
     world, replicas = 2, 2
     ranks = [(i, r) for i in range(replicas) for r in range(world)]
     specs = [spec_of_shape(shape, world)]
+    how = quantize.Quantization(bits, 16)
+    # fmt: off
     schemes = {
         (i, r): QuantizedHybridReduce(
-            torch.float32,
-            torch.float32,
-            world_size=world,
-            group="g",
-            quantization=quantize.Quantization(bits, 16),
-            own_rank=r,
-            replicate_group="rg",
-            replicate_size=replicas,
+            torch.float32, torch.float32, world_size=world, group="g", quantization=how,
+            own_rank=r, replicate_group="rg", replicate_size=replicas,
             own_replica=i if keep_own else None,
         )
         for i, r in ranks
     }
+    # fmt: on
     emits = {k: _Exchange() for k in ranks}
     works = {
         k: schemes[k].issue(emits[k], 0, schemes[k].copy_in(EAGER, [grads[k]], specs), specs)
