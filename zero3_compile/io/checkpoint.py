@@ -3,9 +3,9 @@ safe loads.
 
 ``save_checkpoint(path, model, optimizer)`` writes every rank's shards of the model and optimizer
 state (keys are parameter names, as ``get_state_dict`` gives them) into a fresh directory
-``path.tmp-<save id>``. Each rank then records the size and sha256 of every file it wrote there
-(its ``__<rank>_*.distcp`` shards, its ``rank_state`` file; rank 0 also DCP's ``.metadata``), rank
-0 merges the records into ``zero3_manifest.json`` (with the save id and a checksum of the manifest
+``path.tmp-<save id>``. Each rank then fsyncs and records the size and sha256 of every file it
+wrote there (its ``__<rank>_*.distcp`` shards, hashed as the writer wrote them; its ``rank_state``
+file; rank 0 also DCP's ``.metadata``, those two read back), rank 0 merges the records into ``zero3_manifest.json`` (with the save id and a checksum of the manifest
 itself), and only then is the directory swapped in for ``path``: an interrupted save (a full disk,
 a killed rank) leaves the previous checkpoint intact and loadable.
 
