@@ -130,12 +130,16 @@ def test_a_small_parameter_beside_a_large_one_keeps_its_own_scale(bits):
     scheme = reduce_scheme(
         specs[0], torch.float32, torch.float32, quantization=quantize.Quantization(bits, 16)
     )
-    rows = [scheme.copy_in(EAGER, grads[r], specs)[0].view(world, -1) for r in range(world)]
+    emits = [_Exchange() for _ in range(world)]
+    works = [
+        scheme.issue(emits[r], 0, scheme.copy_in(EAGER, grads[r], specs), specs)
+        for r in range(world)
+    ]
+    _deliver(emits, all_to_all=True)
     for rank in range(world):
-        received = torch.cat([rows[sender][rank] for sender in range(world)])
-        works = scheme.issue(_Received(received), 0, [received], specs)
         shapes_r = [_shard(torch.empty(shape), world, rank).shape for shape in shapes]
-        small, _ = scheme.copy_out(EAGER, scheme.wait(EAGER, 0, works), specs, shapes_r)
+        waited = scheme.wait(emits[rank], 0, works[rank])
+        small, _ = scheme.copy_out(EAGER, waited, specs, shapes_r)
         want = _shard(sum(g[0] for g in grads) / world, world, rank)
         own_step = max(_shard(g[0], world, rank).abs().max() for g in grads) / quantize.LEVELS[bits]
         assert (small - want).abs().max() <= own_step, (small, want)
@@ -230,12 +234,12 @@ def test_the_owners_own_row_is_summed_exactly(bits, world):
     def reduce(grads):  # rank -> its shards, through a simulated all-to-all
         sent = [schemes[r].copy_in(EAGER, grads[r], specs) for r in range(world)]
         assert all(len(payloads) == 2 for payloads in sent)  # the payload and the own row
-        rows = [payload.view(world, -1) for payload, _ in sent]
+        emits = [_Exchange() for _ in range(world)]
+        works = [schemes[r].issue(emits[r], 0, sent[r], specs) for r in range(world)]
+        _deliver(emits, all_to_all=True)
         out = []
         for rank in range(world):
-            received = torch.cat([rows[sender][rank] for sender in range(world)])
-            works = schemes[rank].issue(_Received(received), 0, sent[rank], specs)
-            waited = schemes[rank].wait(_Received(received), 0, works)
+            waited = schemes[rank].wait(emits[rank], 0, works[rank])
             shapes = [_shard(torch.empty(shape), world, rank).shape for shape in SHAPES]
             out.append(schemes[rank].copy_out(EAGER, waited, specs, shapes))
         return out
@@ -260,27 +264,9 @@ def test_the_owners_own_row_is_summed_exactly(bits, world):
                 assert error <= step * (world - 1) / world * (1 + 1e-5), (rank, i)
 
 
-class _Received:
-    """An ``Emit`` whose all-to-all returns what the simulated exchange delivered."""
-
-    in_graph = False
-
-    def __init__(self, received: torch.Tensor):
-        self.received = received
-
-    def collective(self, role, group_role, target, *args, full_bytes=None):
-        return self.received
-
-    def wait(self, role, work):
-        return work
-
-    def traced(self, role, fn, inputs):
-        return fn(*inputs)
-
-
 class _Exchange:
     """An ``Emit`` for one rank of a simulated mesh: a collective records what the rank sends
-    and returns this emit; once every member has sent, ``deliver`` sets what it receives."""
+    and returns this emit; once every member has sent, ``_deliver`` sets what it receives."""
 
     in_graph = False
 
@@ -338,7 +324,9 @@ def _hybrid_reduce(grads: dict, shape, bits: int, keep_own: bool) -> torch.Tenso
     out = []
     for r in range(world):
         shapes = [_shard(torch.empty(shape), world, r).shape]
-        copies = [schemes[i, r].copy_out(EAGER, waited[i, r], specs, shapes)[0] for i in range(2)]
+        copies = [
+            schemes[i, r].copy_out(EAGER, waited[i, r], specs, shapes)[0] for i in range(replicas)
+        ]
         assert torch.equal(copies[0], copies[1])  # every replica reads the same values
         out.append(copies[0])
     return torch.cat(out)

@@ -575,7 +575,7 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
     def issue(self, emit, stage, payloads, specs):
         if stage == 0:
             return super().issue(emit, stage, payloads, specs)
-        replicas, dtype = self.replicate_size, self.dtype
+        replicas, dtype, mine = self.replicate_size, self.dtype, self.own_replica
         block, bits = self.quantization.block, self.quantization.bits
         received, *own = payloads  # stage 1: and this rank's exact row (``own_rank``)
         value = received.meta["val"] if emit.in_graph else received
@@ -583,8 +583,6 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             summed_numel = numel_of_payload(value.shape[0] // self.world_size, block, bits)
             chunk = self._chunk(summed_numel)
             summed_fn = self._summed_fn()
-
-            mine = self.own_replica
 
             def chunks(received, *own):
                 summed = summed_fn(received, *own)
@@ -611,7 +609,6 @@ class QuantizedHybridReduce(_AcrossReplicas, QuantizedReduceScatter):
             return [work, *mine_exact]
         # stage 2; received: every replica's quantized chunk of ours; own: ours, exact
         chunk = numel_of_payload(value.shape[0] // replicas, block, bits)
-        mine = self.own_replica
 
         def requantized(received, *own):
             rows = copy_ops.DEQUANTIZE_ROWS(received.view(replicas, -1), chunk, block, bits, dtype)
