@@ -29,10 +29,12 @@ def _train_a_little(model, opt, world_size, rank, steps=2):
 
 def _full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in opt.param_groups for p in group["params"]]
     out = {}
-    for param, state in opt.state.items():
+    # the state dict: an offloaded optimizer's state is read back from its store there
+    for index, state in opt.state_dict()["state"].items():
         for key, value in state.items():
-            out[f"{names[id(param)]}.{key}"] = (
+            out[f"{names[id(params[index])]}.{key}"] = (
                 value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
             )
     return out
@@ -80,8 +82,22 @@ def _load(rank, world_size, folder):
         fresh, os.path.join(folder, "full.pt") if rank == 0 else None, broadcast_from_rank0=True
     )
     loaded["from_full_file"] = z3.full_state_dict(fresh)
+    # the same checkpoint into shards and optimizer state on disk: written to the stores as DCP
+    # reads them, items cut where the two-rank chunks meet the three-rank ones
+    offloaded = z3.shard(GPT(), offload=z3.Offload(params="disk", path=folder))
+    offloaded_opt = z3.offload_optimizer(
+        torch.optim.AdamW(offloaded.parameters(), lr=1e-2), tier="disk", path=folder
+    )
+    z3.load_checkpoint(os.path.join(folder, "sharded"), offloaded, offloaded_opt)
+    loaded["offloaded"] = {
+        "model": z3.full_state_dict(offloaded),
+        "optim": _full_optimizer_state(offloaded, offloaded_opt),
+    }
     # training continues from the checkpoint
     _train_a_little(model, opt, world_size, rank, steps=1)
+    _train_a_little(offloaded, offloaded_opt, world_size, rank, steps=1)
+    loaded["offloaded_after_a_step"] = z3.full_state_dict(offloaded)
+    loaded["after_a_step"] = z3.full_state_dict(model)
     return loaded
 
 
@@ -108,6 +124,22 @@ def test_sharded_checkpoint_saved_at_two_ranks_loads_at_three_with_identical_val
         assert got["optim"].keys() == want["optim"].keys()
         for key, value in want["optim"].items():
             assert torch.equal(got["optim"][key], value), key
+
+
+def test_a_checkpoint_loads_at_another_world_size_into_offloaded_state_identically(checkpoint):
+    _, saved, loaded = checkpoint
+    want = saved[0]
+    for got in loaded:
+        offloaded = got["offloaded"]
+        assert offloaded["model"].keys() == want["model"].keys()
+        for key, value in want["model"].items():
+            assert torch.equal(offloaded["model"][key], value), key
+        assert offloaded["optim"].keys() == want["optim"].keys()
+        for key, value in want["optim"].items():
+            assert torch.equal(offloaded["optim"][key], value), key
+        # and it trains on as the same checkpoint loaded into memory does
+        for key, value in got["after_a_step"].items():
+            assert torch.equal(got["offloaded_after_a_step"][key], value), key
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint):

@@ -1,6 +1,8 @@
 """``state_dict()`` / ``load_state_dict()`` of a model with offloaded shards: ``state_dict()``
 returns loaded copies (under ``offload.deferred.deferred_reads()``: tensors read when used), ``load_state_dict()`` loads the shards, copies in, and stores the new
-values (DCP goes through both). What a running load holds is the model runtime's own."""
+values (DCP goes through both; under ``offload.incoming.incoming_loads()`` ``state_dict()``
+returns tensors a checkpoint load writes straight to the store). What a running load holds is
+the model runtime's own."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..offload.deferred import StoredTensor, reads_deferred
+from ..offload.incoming import IncomingTensor, loads_incoming
 from ..offload.params import load_shards, loaded, store_shards
 from ..sharding.state import module_state
 
@@ -33,6 +36,11 @@ def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
             local = StoredTensor(
                 record.store, record.region, shard.shape, shard.dtype, shard.device
             )
+        elif loads_incoming() and record.evicted:  # a checkpoint load writes it to the store
+            shard = param_state.local()
+            local = IncomingTensor(
+                record.store, record.region, shard.shape, shard.dtype, shard.device
+            )
         else:
             with loaded([param_state], write_back=False):
                 local = param_state.local().clone()
@@ -49,7 +57,11 @@ def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
 
 def _load_into_offloaded(module, state_dict, prefix, *args) -> None:
     own = module_state(module)
-    states = [p for p in own.params.values() if p.offload is not None]
+    # only the shards this load changes are read and written back (a partial load, or one whose
+    # offloaded values a checkpoint load wrote to the store already, leaves the others alone)
+    states = [
+        p for attr, p in own.params.items() if p.offload is not None and prefix + attr in state_dict
+    ]
     load_shards(states)
     own.root.pending_loads.extend(states)
 

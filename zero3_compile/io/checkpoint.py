@@ -30,6 +30,7 @@ call in the store within ``ROLL_CALL_S`` seconds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -46,9 +47,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -57,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..frontend.loading import loading as shard_access
 from ..offload.deferred import deferred_reads, holds_deferred, materialized
+from ..offload.incoming import IncomingWrites, incoming, incoming_loads
 from ..runtime.guard import roll_call
 from .stages import StageModules, is_flattened
 
@@ -183,9 +191,12 @@ def load_checkpoint(
     """
     path = _existing(os.fspath(path))
     call = _next_call("load")
+    writes = IncomingWrites()  # offloaded values go from the checkpoint to their stores
+    offloaded = getattr(optimizer, "_zero3_offload", None)
+    created: list = []
     try:  # the collective part: every rank fails alike here, or a peer is gone
         manifest = verify_checkpoint(path) if verify else None
-        reader = SafeFileSystemReader(path)
+        reader = _IncomingReader(path, writes)
         # the optimizer state's layout is the checkpoint's (stages.py), whatever model is given
         flattened = is_flattened(reader.read_metadata())
         stages = StageModules(model, flatten=flattened)
@@ -195,26 +206,37 @@ def load_checkpoint(
                 "optimizer state by parameter group; load it into one module (the whole model), "
                 "not a list of pipeline stage modules"
             )
+        if offloaded is not None:
+            created = offloaded.prepare_load()
         state = _state(stages, optimizer)
         if extra:
             state["extra"] = dict(extra)
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, planner=_IncomingPlanner(writes))
     except BaseException as error:
+        writes.discard()
+        if created:
+            offloaded.abandon_load(created)
         _raise_if_peer_lost(error, call, f"load_checkpoint({path!r})", "Nothing was loaded.")
         _raise_if_mismatched(error, path)
         raise
+    writes.commit()  # every rank read everything: the offloaded values written become current
     loaded_state = stages.root_state(state)
+    # the model's offloaded shards are in their stores already; the rest is set as usual
+    model_state = {k: v for k, v in loaded_state["model"].items() if incoming(v) is None}
+    options = stages.options or StateDictOptions()
+    if len(model_state) < len(loaded_state["model"]):
+        options = dataclasses.replace(options, strict=False)  # DCP found every key
     with _shard_access(stages):
         if optimizer is not None:
             set_state_dict(
                 stages.root,
                 optimizer,
-                model_state_dict=loaded_state["model"],
+                model_state_dict=model_state,
                 optim_state_dict=loaded_state["optim"],
-                options=stages.options,
+                options=options,
             )
         else:
-            set_model_state_dict(stages.root, loaded_state["model"], options=stages.options)
+            set_model_state_dict(stages.root, model_state, options=options)
     if extra:
         for key, value in state["extra"].items():
             if extra[key] is not value:
@@ -276,9 +298,9 @@ def _state(
 ) -> dict[str, Any]:
     # torch's state-dict helpers find parameters by walking attributes (``getattr(module,
     # "weight")``): with the shards visible that reads the sharded parameters, not a gather each.
-    # For a save, offloaded values come as tensors read on use (``offload/deferred.py``); a load
-    # fills real tensors
-    deferred = deferred_reads() if for_save else contextlib.nullcontext()
+    # For a save, offloaded values come as tensors read on use (``offload/deferred.py``); for a
+    # load, as tensors written to their stores as DCP reads them (``offload/incoming.py``)
+    deferred = deferred_reads() if for_save else incoming_loads()
     with _shard_access(stages), deferred:
         if optimizer is None:
             state = {"model": get_model_state_dict(stages.root, options=stages.options)}
@@ -696,6 +718,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+class _IncomingPlanner(DefaultLoadPlanner):
+    """Items of offloaded values (``IncomingTensor``) are read into buffers of their own and
+    written to their stores as they arrive (``offload/incoming.py``); the rest as DCP does."""
+
+    def __init__(self, writes: IncomingWrites):
+        super().__init__()
+        self.writes = writes
+
+    def resolve_tensor(self, read_item):
+        value = incoming(self.state_dict[read_item.dest_index.fqn])
+        if value is None:
+            return super().resolve_tensor(read_item)
+        return self.writes.target(value, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        value = incoming(self.state_dict[read_item.dest_index.fqn])
+        if value is None:
+            return super().commit_tensor(read_item, tensor)
+        self.writes.arrived(value, read_item.dest_offsets, read_item.lengths, tensor)
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose metadata load cannot run arbitrary code."""
 
@@ -708,3 +751,17 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _IncomingReader(SafeFileSystemReader):
+    """Reads as DCP does, then waits for the stores' writes of what it read: a failed write
+    fails DCP's read step, which every rank then raises."""
+
+    def __init__(self, path: str, writes: IncomingWrites):
+        super().__init__(path)
+        self.writes = writes
+
+    def read_data(self, plan, planner):
+        done = super().read_data(plan, planner)
+        self.writes.drain()
+        return done

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from ..sharding.state import state_of
 from .deferred import StoredTensor, reads_deferred
 from .grads import spooled, with_local
+from .incoming import IncomingTensor, incoming, loads_incoming
 from .params import _evict as evict_shard
 from .params import _fill as fill_shard
 from .store import DiskStore, HostStore, Region, aligned_empty
@@ -297,6 +298,8 @@ class _OptimizerOffload:
         """Write the param's (changed) state, and its offloaded shard, to the free slots."""
         for key, tensor in self._offloadable(param).items():
             handle = (id(param), key)
+            if handle in self.evicted:  # nothing in memory: its store holds it
+                continue
             region = self.regions.get(handle)
             if region is None:
                 region = self.regions[handle] = self.store.allocate(
@@ -686,6 +689,11 @@ class _OptimizerOffload:
                 if handle in self.evicted and reads_deferred():  # read when it is written
                     region = self.regions[handle]
                     copy = StoredTensor(self.store, region, local.shape, local.dtype, local.device)
+                elif handle in self.evicted and loads_incoming():  # a load writes it to the store
+                    region = self.regions[handle]
+                    copy = IncomingTensor(
+                        self.store, region, local.shape, local.dtype, local.device
+                    )
                 elif handle in self.evicted:
                     copy = torch.empty(local.shape, dtype=local.dtype, device=local.device)
                     self.store.read(self.regions[handle], copy)
@@ -697,8 +705,82 @@ class _OptimizerOffload:
     def load_state_dict(self, state_dict) -> None:
         optimizer = self.optimizer
         type(optimizer).load_state_dict(optimizer, state_dict)
-        self.evicted = set()  # the loaded tensors are new and in memory
+        self.evicted = set()  # the loaded tensors are new and in memory, but for those
+        for param in [p for g in optimizer.param_groups for p in g["params"]]:
+            state = optimizer.state.get(param, {})
+            for key, value in list(state.items()):
+                written = incoming(value)  # a checkpoint load wrote to the store already
+                if written is None:
+                    continue
+                handle = (id(param), key)
+                if self.regions.get(handle) is not written._region:
+                    raise RuntimeError(
+                        f"zero3: the optimizer state {key!r} loaded into another parameter's "
+                        "store region than the one it was written to"
+                    )
+                empty = torch.empty(written.shape, dtype=written.dtype, device=written.device)
+                empty.untyped_storage().resize_(0)
+                state[key] = _like(value, empty)
+                self.evicted.add(handle)
         self.store_all()
+
+    def prepare_load(self) -> list[tuple[int, str]]:
+        """Before a checkpoint load into an optimizer that has no state yet: its state created
+        evicted, each tensor a store region the load writes (``offload/incoming.py``), instead
+        of DCP's step with zero gradients (which reads every parameter and writes every state
+        tensor and shard only for the load to overwrite them). Only for the optimizers of
+        ``_ELEMENTWISE`` (state tensors shaped like the parameter): the keys, dtypes and scalars
+        come from one step of the same optimizer on a two-element parameter per group and dtype.
+        Returns the handles created (``abandon_load`` forgets them if the load fails)."""
+        optimizer = self.optimizer
+        if any(optimizer.state.values()) or type(optimizer) not in _ELEMENTWISE:
+            return []
+        created = []
+        for group in optimizer.param_groups:
+            probes: dict[tuple, dict[str, Any]] = {}
+            for param in group["params"]:
+                local = _local(param)
+                kind = (local.dtype, local.device)
+                if kind not in probes:
+                    probes[kind] = _fresh_state(type(optimizer), group, local)
+                state = optimizer.state[param] = {}
+                for key, value in probes[kind].items():
+                    if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                        state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                        continue
+                    handle = (id(param), key)
+                    if handle not in self.regions:  # kept by a load that failed
+                        nbytes = local.numel() * value.element_size()
+                        self.regions[handle] = self.store.allocate(nbytes)
+                    empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
+                    empty.untyped_storage().resize_(0)
+                    state[key] = _like(param, empty)
+                    self.evicted.add(handle)
+                    created.append(handle)
+        return created
+
+    def abandon_load(self, created: list[tuple[int, str]]) -> None:
+        """A load into the state ``prepare_load`` created failed: the optimizer has no state
+        again (its regions stay allocated for the next load or step, holding nothing)."""
+        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        for handle in created:
+            self.optimizer.state.pop(params[handle[0]], None)
+            self.evicted.discard(handle)
+            region = self.regions[handle]
+            region.pending, region.lost, region.source = None, False, None
+
+
+def _fresh_state(kind: type, group: dict, like: torch.Tensor) -> dict[str, Any]:
+    """The state ``kind`` (an optimizer class) creates for a parameter of ``like``'s dtype and
+    device in ``group`` at its first step (values of a two-element parameter)."""
+    probe = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+    settings = {k: v for k, v in group.items() if k != "params"}
+    if "lr" in settings:  # the step changes nothing (as DCP's initialising step)
+        settings["lr"] = torch.tensor(0.0) if isinstance(settings["lr"], torch.Tensor) else 0.0
+    optimizer = kind([{"params": [probe], **settings}])
+    probe.grad = torch.zeros_like(probe)
+    optimizer.step()
+    return dict(optimizer.state[probe])
 
 
 def _aligned(nbytes: int) -> int:

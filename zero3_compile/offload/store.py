@@ -341,9 +341,8 @@ class DiskStore:
 
     def write(self, region: Region, tensor: torch.Tensor) -> None:
         """Write ``tensor`` into the region's free slot; ``commit(region)`` makes it current."""
-        slot = 1 - region.current
+        slot = region.pending = 1 - region.current  # set first: see ``write_part``
         self._transfer(tensor, region.offsets[slot], region.nbytes, write=True)
-        region.pending = slot
 
     def write_current(self, region: Region, tensor: torch.Tensor) -> None:
         """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
@@ -418,9 +417,10 @@ class DiskStore:
         """Write ``tensor`` at byte ``start`` of the region's free slot (the parts of one new
         version, in any order, then ``commit(region)``)."""
         nbytes = _part_bytes(region, tensor, start)
-        slot = 1 - region.current
+        # pending before the transfer: a one-slot region a failed write went over is then
+        # marked lost by ``discard``, not read as if it held its previous values
+        slot = region.pending = 1 - region.current
         self._transfer(tensor, region.offsets[slot] + start, nbytes, write=True)
-        region.pending = slot
 
     def _transfer(self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
         if tensor.numel() * tensor.element_size() != nbytes or not tensor.is_contiguous():
