@@ -393,7 +393,7 @@ def saved(tmp_path_factory):
 
 def test_a_flipped_bit_is_refused_on_every_rank_before_anything_loads(saved):
     _, results = saved
-    for result in results:  # each rank hashed half of the files; both raise the same error
+    for result in results:  # rank 0 found it as it read it; both raise the same error
         assert result["flipped"].startswith("zero3: checkpoint"), result["flipped"]
         assert "'__0_0.distcp' does not match the sha256" in result["flipped"]
         assert result["untouched"]
@@ -450,6 +450,44 @@ def test_a_bit_flipped_shard_is_refused_naming_it(saved):
     path = _copy(folder, "flipped-in-process")
     _flip_a_bit(os.path.join(path, "__1_0.distcp"))
     _refused(path, "'__1_0.distcp' does not match the sha256")
+
+
+def _hashing(monkeypatch) -> list[tuple[str, bool]]:
+    """(file name, whether its bytes were kept to be loaded) of every file a load hashes."""
+    hashed, original = [], ckpt._hashed_read
+
+    def counted(path, keep):
+        hashed.append((os.path.basename(path), keep))
+        return original(path, keep)
+
+    monkeypatch.setattr(ckpt, "_hashed_read", counted)
+    return hashed
+
+
+def test_an_intact_load_reads_each_tensor_file_once_hashing_it_as_it_loads(saved, monkeypatch):
+    folder, results = saved
+    hashed = _hashing(monkeypatch)
+    model = GPT()
+    z3.load_checkpoint(_copy(folder, "read-once"), model)
+    for key, value in results[0]["a"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    shards = [entry for entry in hashed if entry[0].endswith(".distcp")]
+    assert sorted(shards) == [("__0_0.distcp", True), ("__1_0.distcp", True)], hashed
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["checked-as-read", "checked-first"])
+def test_a_flipped_bit_loads_nothing_whether_checked_as_read_or_first(saved, monkeypatch, first):
+    """A load that could not hold its in-memory values twice (here: none may be held) hashes
+    every file before it reads any of them into the model, as ``verify_checkpoint`` does."""
+    folder, _ = saved
+    path = _copy(folder, f"flipped-{'first' if first else 'as-read'}")
+    _flip_a_bit(os.path.join(path, "__1_0.distcp"))
+    if first:
+        monkeypatch.setattr(ckpt, "_STAGED_MAX", 0)
+    hashed = _hashing(monkeypatch)
+    _refused(path, "'__1_0.distcp' does not match the sha256")
+    assert (("__1_0.distcp", False) in hashed) == first, hashed
+    assert (("__1_0.distcp", True) in hashed) == (not first), hashed
 
 
 def test_a_bit_flipped_metadata_file_is_refused_naming_it(saved):

@@ -265,7 +265,17 @@ def checkpoint_roundtrip(rank, world, folder):
     fresh = GPT()
     z3.shard(fresh, offload=z3.Offload(params="disk"), sync_timeout_s=120)
     fresh_opt = z3.offload_optimizer(_optimizer("adamw", fresh.parameters()), tile_mb=0.05)
-    z3.load_checkpoint(folder, fresh, fresh_opt)
+    hashed_read, load_hashed = checkpoint_io._hashed_read, []
+
+    def hashed(path, keep):  # what the load hashes, and whether it loads what it hashed
+        load_hashed.append((os.path.basename(path), keep))
+        return hashed_read(path, keep)
+
+    checkpoint_io._hashed_read = hashed
+    try:
+        z3.load_checkpoint(folder, fresh, fresh_opt)
+    finally:
+        checkpoint_io._hashed_read = hashed_read
     losses = _train(rank, world, fresh, fresh_opt, "eager", 2, False, seed0=2)
     twin_losses = _train(rank, world, twin, twin_opt, "eager", 2, False, seed0=2)
     a, b = z3.full_state_dict(fresh), z3.full_state_dict(twin)
@@ -296,6 +306,7 @@ def checkpoint_roundtrip(rank, world, folder):
     kept, blank_kept = z3.full_state_dict(fresh), z3.full_state_dict(blank)
     return {
         "tensor_files_read_back": [n for n in read_back if n.endswith(".distcp")],
+        "load_hashed": [(n, keep) for n, keep in load_hashed if n.endswith(".distcp")],
         "losses_equal": losses == twin_losses,
         "params_equal": all(torch.equal(a[k], b[k]) for k in b),
         "failed_load_errors": errors,
@@ -478,10 +489,14 @@ def test_offloaded_shards_are_read_reload_depth_buckets_ahead(results, depth):
 
 def test_checkpoint_of_an_offloaded_run_resumes_identically(results):
     """Also: the save hashes each tensor file as it writes it (the manifest's digests, which the
-    load verifies), never reading the checkpoint back."""
+    load verifies as it reads each file), never reading the checkpoint back."""
     for r in results("checkpoint_roundtrip"):
         assert r["losses_equal"] and r["params_equal"]
         assert r["tensor_files_read_back"] == [], r
+        # the load reads each of its tensor files once, hashing it as it loads it
+        names = [n for n, _ in r["load_hashed"]]
+        assert names and len(set(names)) == len(names), r["load_hashed"]
+        assert all(keep for _, keep in r["load_hashed"]), r["load_hashed"]
 
 
 def test_a_load_that_fails_writing_the_stores_keeps_the_previous_state(results):
@@ -988,13 +1003,14 @@ def test_250_mb_offloaded_resume_in_new_processes_bit_identically():
         assert r["save_peak"] <= 0.6 * own_state, (r["save_peak"] / 2**20, own_state / 2**20)
     for r in resumed:  # the load writes each offloaded value to its store as DCP reads it: it
         # reads nothing from the stores (no step to create the optimizer's state, no current
-        # values read to be overwritten), writes each value once, and holds a few tensors
-        # (measured: 46 MiB of 120 MiB; before, it held the whole state: 184 MiB, and read 200
-        # MiB from the stores and wrote 240)
+        # values read to be overwritten), writes each value once, and holds a few tensors: the
+        # file it parses, the one read ahead, the values DCP parsed, the buffer being written
+        # (measured: 54 MiB of 120 MiB of 8 MiB tensors; before, it held the whole state: 184
+        # MiB, and read 200 MiB from the stores and wrote 240)
         own_state = r["state_bytes"] / 2
         assert r["load"]["read"] == 0
         assert r["load"]["written"] == own_state
-        assert r["load"]["peak"] <= 0.5 * own_state, (r["load"]["peak"] / 2**20, own_state / 2**20)
+        assert r["load"]["peak"] <= 0.6 * own_state, (r["load"]["peak"] / 2**20, own_state / 2**20)
     for a, b in zip(first, resumed):
         assert a["loss"] == b["loss"]
         assert a["params"].keys() == b["params"].keys()

@@ -9,12 +9,17 @@ file; rank 0 also DCP's ``.metadata``, those two read back), rank 0 merges the r
 itself), and only then is the directory swapped in for ``path``: an interrupted save (a full disk,
 a killed rank) leaves the previous checkpoint intact and loadable.
 
-``load_checkpoint`` checks every file against the manifest before anything is read into the model
-(the ranks share the hashing): a missing, truncated or modified file, or one copied in from another
-save, raises ``CheckpointCorruptError`` naming the file on every rank, never a model with wrong
-values. A checkpoint without a manifest loads only with ``verify=False``. It reads back at any
-world size (DCP reshards), and reads DCP's metadata with an unpickler that accepts only checkpoint
-metadata classes, never arbitrary objects.
+``load_checkpoint`` checks the checkpoint against the manifest: every file present with its size
+first, then each file's sha256 as it reads it (the file read whole into memory, hashed on the way,
+checked before DCP parses it), and nothing becomes the model's until every rank read everything:
+offloaded values are written to their stores' free slots, committed at the end
+(``offload/incoming.py``); the values it loads into memory wait in buffers until then. A load
+that cannot hold its largest file, or its in-memory values twice, hashes every file first (the
+ranks share the hashing) and reads them again to load them. Either way a missing, truncated or
+modified file, or one copied in from another save, raises ``CheckpointCorruptError`` naming the
+file on every rank, never a model with wrong values. A checkpoint without a manifest loads only
+with ``verify=False``. It reads back at any world size (DCP reshards), and reads DCP's metadata
+with an unpickler that accepts only checkpoint metadata classes, never arbitrary objects.
 
 ``rank_state`` carries what else a resumed job needs per rank (step, LR scheduler, RNG states, data
 position; tensors, numbers, strings and containers of them): it is written into the same staging
@@ -29,6 +34,7 @@ call in the store within ``ROLL_CALL_S`` seconds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -41,6 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -74,6 +81,12 @@ _MANIFEST_FORMAT = "zero3-checkpoint-manifest"
 _MANIFEST_VERSION = 1
 _METADATA = ".metadata"
 _SAVE_THREADS = 2  # writer threads of a save of offloaded values (two tensors held at a time)
+_HASH_CHUNK = 8 << 20  # bytes read at a time to hash a file
+# a load checks each file as it reads it when it can hold the largest file whole and the values
+# it loads into memory twice; else it checks every file first, and reads them again to load them
+_READ_WHOLE_MAX = 1 << 30
+_STAGED_MAX = 256 << 20
+_AHEAD_BYTES = 16 << 20  # of files read ahead of the one DCP parses (at least the next one)
 ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other's answer
 
 
@@ -87,6 +100,9 @@ class CheckpointCorruptError(ValueError):
         super().__init__(message)
         self.file = file
         self.problems = list(problems)
+
+    def __reduce__(self):  # whole across ranks (DCP gathers a read step's errors)
+        return type(self), (self.args[0],), {"file": self.file, "problems": self.problems}
 
 
 class PeerLostError(RuntimeError):
@@ -184,8 +200,9 @@ def load_checkpoint(
 ) -> Any:
     """Load a checkpoint written by ``save_checkpoint`` (at any world size) into ``model``/``optimizer``.
 
-    Every file is first checked against the checkpoint's manifest (``verify_checkpoint``);
-    ``verify=False`` skips that, for checkpoints written without one. ``extra`` receives, in
+    The files are checked against the checkpoint's manifest (as they are read, or all first:
+    see the module docstring); a damaged one raises ``CheckpointCorruptError`` on every rank and
+    nothing is loaded. ``verify=False`` skips that, for checkpoints written without one. ``extra`` receives, in
     place, the tensors saved under the same keys. Returns the ``rank_state`` this rank saved
     (None if the rank saved none, e.g. the checkpoint was written at a smaller world size).
     """
@@ -194,9 +211,11 @@ def load_checkpoint(
     writes = IncomingWrites()  # offloaded values go from the checkpoint to their stores
     offloaded = getattr(optimizer, "_zero3_offload", None)
     created: list = []
+    staged: list | None = None  # (in-memory destination, values read), copied in at the end
     try:  # the collective part: every rank fails alike here, or a peer is gone
-        manifest = verify_checkpoint(path) if verify else None
-        reader = _IncomingReader(path, writes)
+        # every file there with its size; what is in them is checked as it is read
+        manifest = _checked_manifest(path, hashing=False) if verify else None
+        reader = _IncomingReader(path, writes, manifest)
         # the optimizer state's layout is the checkpoint's (stages.py), whatever model is given
         flattened = is_flattened(reader.read_metadata())
         stages = StageModules(model, flatten=flattened)
@@ -211,15 +230,25 @@ def load_checkpoint(
         state = _state(stages, optimizer)
         if extra:
             state["extra"] = dict(extra)
-        dcp.load(state, storage_reader=reader, planner=_IncomingPlanner(writes))
+        if manifest is not None:
+            if _verified_on_read(state, manifest):
+                staged = []
+            else:  # a file or the in-memory values too large to hold twice: verified first
+                reader.fs.verifying = False
+                _checked_manifest(path, hashing=True)
+        dcp.load(state, storage_reader=reader, planner=_IncomingPlanner(writes, staged))
     except BaseException as error:
         writes.discard()
         if created:
             offloaded.abandon_load(created)
+        _raise_if_corrupt(error, path)
         _raise_if_peer_lost(error, call, f"load_checkpoint({path!r})", "Nothing was loaded.")
         _raise_if_mismatched(error, path)
         raise
-    writes.commit()  # every rank read everything: the offloaded values written become current
+    # every rank read everything, every file it read as saved: the values become current
+    writes.commit()
+    for target, values in staged or ():
+        target.copy_(values)
     loaded_state = stages.root_state(state)
     # the model's offloaded shards are in their stores already; the rest is set as usual
     model_state = {k: v for k, v in loaded_state["model"].items() if incoming(v) is None}
@@ -242,7 +271,7 @@ def load_checkpoint(
             if extra[key] is not value:
                 extra[key].copy_(value)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return _read_rank_state(path, rank, manifest, verify_file=False)
+    return _read_rank_state(path, rank, manifest, verify_file=staged is not None)
 
 
 def load_rank_state(path: str | os.PathLike, rank: int, *, verify: bool = True) -> Any:
@@ -264,13 +293,19 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     missing or damaged manifest. With ``torch.distributed`` initialised this is collective: each
     rank hashes a share of the files and every rank raises the same error.
     """
-    path = _existing(os.fspath(path))
+    return _checked_manifest(_existing(os.fspath(path)), hashing=True)
+
+
+def _checked_manifest(path: str, *, hashing: bool) -> dict[str, Any]:
+    """The manifest, every file it names present with its size (and, with ``hashing``, its
+    sha256); collective: the ranks share the files, every rank raises what any rank found."""
     manifest, problems = _read_manifest(path)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if manifest is not None:
         for name in sorted(manifest["files"])[rank::world]:
-            reason = _check_file(path, name, manifest["files"][name], manifest["save_id"])
+            want = manifest["files"][name]
+            reason = _check_file(path, name, want, manifest["save_id"], hashing=hashing)
             if reason is not None:
                 problems.append((name, reason))
     if distributed:
@@ -463,13 +498,36 @@ def _fsync_dir(path: str) -> None:
 
 
 def _digest(path: str) -> tuple[int, str]:
+    size, digest, _ = _hashed_read(path, keep=False)
+    return size, digest
+
+
+def _hashed_read(path: str, keep: bool) -> tuple[int, str, memoryview | None]:
+    """(size, sha256, with ``keep`` the bytes) of the file at ``path``; each chunk is read while
+    the one before it is hashed (both give up the GIL: the disk and the hashing overlap)."""
     sha = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
+        whole = memoryview(bytearray(os.fstat(f.fileno()).st_size)) if keep else None
+        spare = [memoryview(bytearray(_HASH_CHUNK)) for _ in range(0 if keep else 2)]
+
+        def read(index: int) -> memoryview:
+            if whole is None:
+                view = spare[index % 2]
+            else:
+                view = whole[index * _HASH_CHUNK : (index + 1) * _HASH_CHUNK]
+            done = 0
+            while done < len(view) and (n := f.readinto(view[done:])):
+                done += n
+            return view[:done]
+
+        size, index, chunk = 0, 0, read(0)
+        while len(chunk):
+            following = reader.submit(read, index + 1)
             sha.update(chunk)
             size += len(chunk)
-    return size, sha.hexdigest()
+            index += 1
+            chunk = following.result()
+    return size, sha.hexdigest(), None if whole is None else whole[:size]
 
 
 def _exchange(fn: Callable[[], Any], what: str) -> list[Any]:
@@ -554,20 +612,29 @@ def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[tuple[str, st
     return manifest, []
 
 
-def _check_file(path: str, name: str, want: dict[str, Any], save_id: str) -> str | None:
+def _check_file(
+    path: str, name: str, want: dict[str, Any], save_id: str, *, hashing: bool = True
+) -> str | None:
     where = os.path.join(path, name)
     if not os.path.isfile(where):
         return f"is missing (save {save_id} wrote {want['size']} bytes there)"
     try:
         size, digest = os.path.getsize(where), None
-        if size == want["size"]:
+        if size == want["size"] and hashing:
             _, digest = _digest(where)
     except OSError as error:
         return f"is unreadable ({type(error).__name__}: {error})"
+    return _content_problem(path, name, want, save_id, size, digest)
+
+
+def _content_problem(
+    path: str, name: str, want: dict[str, Any], save_id: str, size: int, digest: str | None
+) -> str | None:
+    """What is wrong with a file of ``size`` bytes and sha256 ``digest`` (None: not hashed)."""
     if size != want["size"]:
         how = "truncated" if size < want["size"] else "longer than written"
         return f"has {size} bytes where save {save_id} wrote {want['size']} ({how})"
-    if digest != want["sha256"]:
+    if digest is not None and digest != want["sha256"]:
         return (
             f"does not match the sha256 save {save_id} recorded for it (flipped bits, an "
             f"overwrite, or a file of another save){_origin(path, name, digest)}"
@@ -626,6 +693,46 @@ def _read_rank_state(
         return None
     with open(where, "rb") as f:
         return torch.load(io.BytesIO(f.read()), weights_only=True)
+
+
+def _verified_on_read(state: dict[str, Any], manifest: dict[str, Any]) -> bool:
+    """Whether a load checks each file as it reads it (``_VerifyingFileSystem``): it then holds
+    a file whole, and the values it loads into memory twice (``staged``) until every rank read
+    everything. The same answer on every rank (the load verifies first on all, or on none)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    largest = max(
+        (r["size"] for name, r in manifest["files"].items() if name.endswith(".distcp")),
+        default=0,
+    )
+    in_memory = 0
+    for value in tree_leaves(state):
+        if isinstance(value, torch.Tensor) and incoming(value) is None:
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            in_memory += local.numel() * local.element_size()
+    fits = largest <= _READ_WHOLE_MAX and in_memory <= _STAGED_MAX
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, fits)
+        fits = all(everyone)
+    return fits
+
+
+def _raise_if_corrupt(error: BaseException, path: str) -> None:
+    """A file some rank found damaged as it read it: the same ``CheckpointCorruptError`` on every
+    rank (DCP raised its read step's failures on all of them)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return
+    problems = set()
+    for failure in (getattr(error, "failures", {}) or {}).values():
+        found = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(found, CheckpointCorruptError):
+            problems.update(tuple(p) for p in found.problems)
+    if problems:
+        raise _corrupt(path, sorted(problems)) from error
 
 
 def _raise_if_mismatched(error: BaseException, path: str) -> None:
@@ -720,16 +827,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _IncomingPlanner(DefaultLoadPlanner):
     """Items of offloaded values (``IncomingTensor``) are read into buffers of their own and
-    written to their stores as they arrive (``offload/incoming.py``); the rest as DCP does."""
+    written to their stores as they arrive (``offload/incoming.py``); the rest as DCP does, or,
+    with ``staged`` (a list), into buffers copied in only once the whole load succeeded."""
 
-    def __init__(self, writes: IncomingWrites):
+    def __init__(self, writes: IncomingWrites, staged: list | None = None):
         super().__init__()
         self.writes = writes
+        self.staged = staged
 
     def resolve_tensor(self, read_item):
         value = incoming(self.state_dict[read_item.dest_index.fqn])
         if value is None:
-            return super().resolve_tensor(read_item)
+            target = super().resolve_tensor(read_item)
+            if self.staged is None:
+                return target
+            buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
+            self.staged.append((target, buffer))
+            return buffer
         return self.writes.target(value, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor) -> None:
@@ -754,14 +868,124 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class _IncomingReader(SafeFileSystemReader):
-    """Reads as DCP does, then waits for the stores' writes of what it read: a failed write
-    fails DCP's read step, which every rank then raises."""
+    """Reads as DCP does (each file checked against ``manifest`` as it is opened, while
+    ``verifying``), then waits for the stores' writes of what it read: a damaged file or a
+    failed write fails DCP's read step, which every rank then raises."""
 
-    def __init__(self, path: str, writes: IncomingWrites):
+    def __init__(self, path: str, writes: IncomingWrites, manifest: dict[str, Any] | None):
         super().__init__(path)
         self.writes = writes
+        if manifest is not None:
+            self.fs = _VerifyingFileSystem(path, manifest)
 
     def read_data(self, plan, planner):
-        done = super().read_data(plan, planner)
+        if isinstance(self.fs, _VerifyingFileSystem) and self.fs.verifying:
+            order: dict[str, None] = {}  # the files in the order DCP opens them
+            for item in plan.items:
+                relative = self.storage_data[item.storage_index].relative_path
+                order.setdefault(os.fspath(self.fs.concat_path(self.path, relative)))
+            self.fs.read_ahead(list(order))
+        try:
+            done = super().read_data(plan, planner)
+        finally:
+            if isinstance(self.fs, _VerifyingFileSystem):
+                self.fs.stop()
         self.writes.drain()
         return done
+
+
+class _VerifyingFileSystem(FileSystem):
+    """A file of the checkpoint opened for reading is read whole into memory, hashed on the way,
+    and checked against the manifest before anything parses it (``load_checkpoint``: the
+    checkpoint read once, not once to verify and once to load)."""
+
+    def __init__(self, root: str, manifest: dict[str, Any]) -> None:
+        super().__init__()
+        self.root = os.path.abspath(root)
+        self.manifest = manifest
+        self.verifying = True
+        self.queue: collections.deque[str] = collections.deque()
+        self.ahead: dict[str, Future] = {}  # path -> its _hashed_read, under way
+        self.ahead_bytes = 0
+        self.pool: ThreadPoolExecutor | None = None
+
+    def read_ahead(self, paths: list[str]) -> None:
+        """The files about to be opened, in order: each is read (and hashed) on a thread ahead
+        of its turn, up to ``_AHEAD_BYTES`` of them (at least the next one), so the disk keeps
+        reading while the files before it are parsed and copied."""
+        self.queue.extend(paths)
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="zero3-ckpt-read")
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self.queue and (
+            not self.ahead or self.ahead_bytes + self._size(self.queue[0]) <= _AHEAD_BYTES
+        ):
+            path = self.queue.popleft()
+            self.ahead[path] = self.pool.submit(_hashed_read, path, True)
+            self.ahead_bytes += self._size(path)
+
+    def _size(self, path: str) -> int:
+        name = os.path.relpath(os.path.abspath(path), self.root)
+        return self.manifest["files"].get(name, {}).get("size", 0)
+
+    def stop(self) -> None:
+        self.queue.clear()
+        for future in self.ahead.values():
+            future.cancel()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.ahead, self.ahead_bytes, self.pool = {}, 0, None
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        name = os.path.relpath(os.path.abspath(os.fspath(path)), self.root)
+        if not self.verifying or "r" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        want = self.manifest["files"].get(name)
+        if want is None:
+            raise _corrupt(self.root, [(name, "is not in the manifest: no save wrote it")])
+        future = self.ahead.pop(os.fspath(path), None)
+        if future is None:
+            size, digest, data = _hashed_read(os.fspath(path), keep=True)
+        else:
+            self.ahead_bytes -= self._size(os.fspath(path))
+            self._top_up()
+            size, digest, data = future.result()
+        save_id = self.manifest["save_id"]
+        reason = _content_problem(self.root, name, want, save_id, size, digest)
+        if reason is not None:
+            raise _corrupt(self.root, [(name, reason)])
+        yield _MemoryFile(data)
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes in memory (no copy of them, as ``BytesIO`` makes)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self.data = data
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), len(self.data) - self.position))
+        view[:n] = self.data[self.position : self.position + n]
+        self.position += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.data)}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position

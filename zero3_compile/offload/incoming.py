@@ -105,7 +105,7 @@ class IncomingWrites:
     size whose chunks cut rows, or unaligned ones) is gathered into the whole tensor in memory,
     written when its last element arrived."""
 
-    def __init__(self, in_flight: int = 2):
+    def __init__(self, in_flight: int = 1):
         self.in_flight = in_flight
         self.pending: deque[tuple[Future, torch.Tensor]] = deque()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-load")
