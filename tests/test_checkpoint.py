@@ -114,29 +114,23 @@ def checkpoint(tmp_path_factory):
     return folder, *roundtrip(folder)
 
 
+def _assert_same_state(got: dict, want: dict) -> None:
+    for part in ("model", "optim"):
+        assert got[part].keys() == want[part].keys(), part
+        for key, value in want[part].items():
+            assert torch.equal(got[part][key], value), key
+
+
 def test_sharded_checkpoint_saved_at_two_ranks_loads_at_three_with_identical_values(checkpoint):
     _, saved, loaded = checkpoint
-    want = saved[0]
     for got in loaded:
-        assert got["model"].keys() == want["model"].keys()
-        for key, value in want["model"].items():
-            assert torch.equal(got["model"][key], value), key
-        assert got["optim"].keys() == want["optim"].keys()
-        for key, value in want["optim"].items():
-            assert torch.equal(got["optim"][key], value), key
+        _assert_same_state(got, saved[0])
 
 
 def test_a_checkpoint_loads_at_another_world_size_into_offloaded_state_identically(checkpoint):
     _, saved, loaded = checkpoint
-    want = saved[0]
     for got in loaded:
-        offloaded = got["offloaded"]
-        assert offloaded["model"].keys() == want["model"].keys()
-        for key, value in want["model"].items():
-            assert torch.equal(offloaded["model"][key], value), key
-        assert offloaded["optim"].keys() == want["optim"].keys()
-        for key, value in want["optim"].items():
-            assert torch.equal(offloaded["optim"][key], value), key
+        _assert_same_state(got["offloaded"], saved[0])
         # and it trains on as the same checkpoint loaded into memory does
         for key, value in got["after_a_step"].items():
             assert torch.equal(got["offloaded_after_a_step"][key], value), key

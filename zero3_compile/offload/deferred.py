@@ -25,22 +25,37 @@ from torch.utils._pytree import tree_map
 from .store import Region, read_target
 
 aten = torch.ops.aten
-_local = threading.local()
 
 
-@contextlib.contextmanager
-def deferred_reads() -> Iterator[None]:
+class Switch:
+    """A per-thread, re-entrant switch: on inside ``with switch():``, off again after it."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def on(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+
+_deferred = Switch()
+
+
+def deferred_reads() -> contextlib.AbstractContextManager[None]:
     """Offloaded state dicts in the block hand out ``StoredTensor``s (see the module docstring)."""
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
+    return _deferred()
 
 
 def reads_deferred() -> bool:
-    return getattr(_local, "depth", 0) > 0
+    return _deferred.on()
 
 
 def wrapper_tensor(cls, shape, dtype, device, strides=None) -> torch.Tensor:
@@ -56,36 +71,19 @@ def wrapper_tensor(cls, shape, dtype, device, strides=None) -> torch.Tensor:
     )
 
 
-class StoredTensor(torch.Tensor):
-    """The committed values of one store region, read on use (see the module docstring)."""
+class RegionTensor(torch.Tensor):
+    """A tensor with the shape and dtype of a store region's values that holds no memory. Its
+    aliases (``detach``, ``DTensor.from_local``'s view) are of its kind; what any other
+    operation does, each kind says (``_operate``)."""
 
     _store: object
-    _region: Region  # the slot current when it was handed out
-
-    @staticmethod
-    def __new__(cls, store, region: Region, shape, dtype, device):
-        self = wrapper_tensor(cls, shape, dtype, device)
-        self._store = store
-        offset = region.read_offset
-        snapshot = Region((offset, offset), region.nbytes, source=region.source)
-        if hasattr(region, "buffers"):  # host memory: the current buffer
-            snapshot.buffers = [region.buffers[region.current]]  # type: ignore[attr-defined]
-        self._region = snapshot
-        return self
+    _region: Region
 
     def __init__(self, *args, **kwargs):
         pass
 
-    def __repr__(self, *, tensor_contents=None) -> str:
-        return f"StoredTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
-
-    def materialize(self) -> torch.Tensor:
-        out = read_target(self._store, self.shape, self.dtype, self.device)
-        self._store.read(self._region, out)
-        return out
-
-    def _alias(self) -> StoredTensor:
-        alias = wrapper_tensor(StoredTensor, self.shape, self.dtype, self.device, self.stride())
+    def _alias(self) -> RegionTensor:
+        alias = wrapper_tensor(type(self), self.shape, self.dtype, self.device, self.stride())
         alias._store, alias._region = self._store, self._region
         return alias
 
@@ -99,6 +97,37 @@ class StoredTensor(torch.Tensor):
                 return args[0]._alias()
         if func is aten.is_pinned.default:
             return False
+        return cls._operate(func, args, kwargs)
+
+    @classmethod
+    def _operate(cls, func, args, kwargs):
+        raise NotImplementedError
+
+
+class StoredTensor(RegionTensor):
+    """The committed values of one store region, read on use (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, store, region: Region, shape, dtype, device):
+        self = wrapper_tensor(cls, shape, dtype, device)
+        self._store = store
+        offset = region.read_offset
+        snapshot = Region((offset, offset), region.nbytes, source=region.source)
+        if hasattr(region, "buffers"):  # host memory: the current buffer
+            snapshot.buffers = [region.buffers[region.current]]  # type: ignore[attr-defined]
+        self._region = snapshot
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"StoredTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def materialize(self) -> torch.Tensor:
+        out = read_target(self._store, self.shape, self.dtype, self.device)
+        self._store.read(self._region, out)
+        return out
+
+    @classmethod
+    def _operate(cls, func, args, kwargs):
         for index, argument in enumerate(func._schema.arguments):
             written = argument.alias_info is not None and argument.alias_info.is_write
             value = args[index] if index < len(args) else kwargs.get(argument.name)
@@ -144,4 +173,11 @@ def holds_deferred(state) -> bool:
     )
 
 
-__all__ = ["StoredTensor", "deferred_reads", "holds_deferred", "materialized"]
+__all__ = [
+    "RegionTensor",
+    "StoredTensor",
+    "Switch",
+    "deferred_reads",
+    "holds_deferred",
+    "materialized",
+]

@@ -20,41 +20,30 @@ Any operation on an ``IncomingTensor`` but its aliases is refused: it holds no v
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .deferred import wrapper_tensor
+from .deferred import RegionTensor, Switch, wrapper_tensor
 from .store import _ALIGN, Region, read_target
 
-aten = torch.ops.aten
-_local = threading.local()
 _HOST = torch.device("cpu")  # DCP reads the checkpoint into host memory; stores write from it
+_incoming = Switch()
 
 
-@contextlib.contextmanager
-def incoming_loads() -> Iterator[None]:
+def incoming_loads() -> contextlib.AbstractContextManager[None]:
     """Offloaded state dicts in the block hand out ``IncomingTensor``s (module docstring)."""
-    depth = getattr(_local, "depth", 0)
-    _local.depth = depth + 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
+    return _incoming()
 
 
 def loads_incoming() -> bool:
-    return getattr(_local, "depth", 0) > 0
+    return _incoming.on()
 
 
-class IncomingTensor(torch.Tensor):
+class IncomingTensor(RegionTensor):
     """The next version of one store region, which a checkpoint load writes."""
-
-    _store: object
-    _region: Region
 
     @staticmethod
     def __new__(cls, store, region: Region, shape, dtype, device):
@@ -62,26 +51,11 @@ class IncomingTensor(torch.Tensor):
         self._store, self._region = store, region
         return self
 
-    def __init__(self, *args, **kwargs):
-        pass
-
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"IncomingTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
-    def _alias(self) -> IncomingTensor:
-        alias = wrapper_tensor(IncomingTensor, self.shape, self.dtype, self.device, self.stride())
-        alias._store, alias._region = self._store, self._region
-        return alias
-
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (aten.detach.default, aten.alias.default):
-            return args[0]._alias()
-        if func in (aten.view.default, aten._unsafe_view.default):
-            if tuple(args[1]) == tuple(args[0].shape):  # DTensor.from_local's view_as
-                return args[0]._alias()
-        if func is aten.is_pinned.default:
-            return False
+    def _operate(cls, func, args, kwargs):
         raise RuntimeError(
             f"zero3: {func} on an offloaded value a checkpoint load is writing to its store "
             "(it holds no values); load_checkpoint fills it"
