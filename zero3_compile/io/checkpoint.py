@@ -5,9 +5,10 @@ safe loads.
 state (keys are parameter names, as ``get_state_dict`` gives them) into a fresh directory
 ``path.tmp-<save id>``. Each rank then fsyncs and records the size and sha256 of every file it
 wrote there (its ``__<rank>_*.distcp`` shards, hashed as the writer wrote them; its ``rank_state``
-file; rank 0 also DCP's ``.metadata``, those two read back), rank 0 merges the records into ``zero3_manifest.json`` (with the save id and a checksum of the manifest
-itself), and only then is the directory swapped in for ``path``: an interrupted save (a full disk,
-a killed rank) leaves the previous checkpoint intact and loadable.
+file; rank 0 also DCP's ``.metadata``, those two read back), rank 0 merges the records into
+``zero3_manifest.json`` (with the save id and a checksum of the manifest itself), and only then
+is the directory swapped in for ``path``: an interrupted save (a full disk, a killed rank) leaves
+the previous checkpoint intact and loadable.
 
 ``load_checkpoint`` checks the checkpoint against the manifest: every file present with its size
 first, then each file's sha256 as it reads it (the file read whole into memory, hashed on the way,
@@ -198,13 +199,15 @@ def load_checkpoint(
     extra: dict[str, torch.Tensor] | None = None,
     verify: bool = True,
 ) -> Any:
-    """Load a checkpoint written by ``save_checkpoint`` (at any world size) into ``model``/``optimizer``.
+    """Load a checkpoint written by ``save_checkpoint`` (at any world size) into ``model`` and
+    ``optimizer``.
 
     The files are checked against the checkpoint's manifest (as they are read, or all first:
     see the module docstring); a damaged one raises ``CheckpointCorruptError`` on every rank and
-    nothing is loaded. ``verify=False`` skips that, for checkpoints written without one. ``extra`` receives, in
-    place, the tensors saved under the same keys. Returns the ``rank_state`` this rank saved
-    (None if the rank saved none, e.g. the checkpoint was written at a smaller world size).
+    nothing is loaded. ``verify=False`` skips that, for checkpoints written without one.
+    ``extra`` receives, in place, the tensors saved under the same keys. Returns the
+    ``rank_state`` this rank saved (None if the rank saved none, e.g. the checkpoint was written
+    at a smaller world size).
     """
     path = _existing(os.fspath(path))
     call = _next_call("load")
