@@ -882,7 +882,8 @@ class _IncomingReader(SafeFileSystemReader):
             self.fs = _VerifyingFileSystem(path, manifest)
 
     def read_data(self, plan, planner):
-        if isinstance(self.fs, _VerifyingFileSystem) and self.fs.verifying:
+        verifying = isinstance(self.fs, _VerifyingFileSystem) and self.fs.verifying
+        if verifying:
             order: dict[str, None] = {}  # the files in the order DCP opens them
             for item in plan.items:
                 relative = self.storage_data[item.storage_index].relative_path
@@ -891,7 +892,7 @@ class _IncomingReader(SafeFileSystemReader):
         try:
             done = super().read_data(plan, planner)
         finally:
-            if isinstance(self.fs, _VerifyingFileSystem):
+            if verifying:
                 self.fs.stop()
         self.writes.drain()
         return done
@@ -908,8 +909,7 @@ class _VerifyingFileSystem(FileSystem):
         self.manifest = manifest
         self.verifying = True
         self.queue: collections.deque[str] = collections.deque()
-        self.ahead: dict[str, Future] = {}  # path -> its _hashed_read, under way
-        self.ahead_bytes = 0
+        self.ahead: dict[str, tuple[Future, int]] = {}  # path -> its _hashed_read, its size
         self.pool: ThreadPoolExecutor | None = None
 
     def read_ahead(self, paths: list[str]) -> None:
@@ -921,12 +921,11 @@ class _VerifyingFileSystem(FileSystem):
         self._top_up()
 
     def _top_up(self) -> None:
-        while self.queue and (
-            not self.ahead or self.ahead_bytes + self._size(self.queue[0]) <= _AHEAD_BYTES
-        ):
+        ahead = sum(size for _, size in self.ahead.values())
+        while self.queue and (not self.ahead or ahead + self._size(self.queue[0]) <= _AHEAD_BYTES):
             path = self.queue.popleft()
-            self.ahead[path] = self.pool.submit(_hashed_read, path, True)
-            self.ahead_bytes += self._size(path)
+            self.ahead[path] = (self.pool.submit(_hashed_read, path, True), self._size(path))
+            ahead += self._size(path)
 
     def _size(self, path: str) -> int:
         name = os.path.relpath(os.path.abspath(path), self.root)
@@ -934,11 +933,11 @@ class _VerifyingFileSystem(FileSystem):
 
     def stop(self) -> None:
         self.queue.clear()
-        for future in self.ahead.values():
+        for future, _ in self.ahead.values():
             future.cancel()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-        self.ahead, self.ahead_bytes, self.pool = {}, 0, None
+        self.ahead, self.pool = {}, None
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -950,13 +949,12 @@ class _VerifyingFileSystem(FileSystem):
         want = self.manifest["files"].get(name)
         if want is None:
             raise _corrupt(self.root, [(name, "is not in the manifest: no save wrote it")])
-        future = self.ahead.pop(os.fspath(path), None)
-        if future is None:
+        ahead = self.ahead.pop(os.fspath(path), None)
+        if ahead is None:
             size, digest, data = _hashed_read(os.fspath(path), keep=True)
         else:
-            self.ahead_bytes -= self._size(os.fspath(path))
             self._top_up()
-            size, digest, data = future.result()
+            size, digest, data = ahead[0].result()
         save_id = self.manifest["save_id"]
         reason = _content_problem(self.root, name, want, save_id, size, digest)
         if reason is not None:

@@ -118,9 +118,6 @@ class IncomingWrites:
         if self.owners[id(region)] != id(value):
             return
         self.regions[id(region)] = region
-        # before the write: a failed write into a one-slot region has overwritten its values,
-        # and ``discard`` marks them lost only if a version was pending
-        region.pending = 1 - region.current
         start = _direct_part(value, offsets, lengths)
         if start is not None:
             if filled.numel() == value.numel():
