@@ -17,9 +17,11 @@ rank (16).
 
 The ranks are laid out in nodes of ``--ranks-per-node`` k consecutive ranks (default 1: every
 byte crosses the network); hpZ's settings (``secondary_shard="node"``, k from
-``LOCAL_WORLD_SIZE`` as torchrun sets it) run when 2 <= k < world. Bytes per link class, from
-``explain``'s bytes per group: a collective over a node group (hpZ's backward all-gathers) stays
-within the node; every other one (the shard group, the replicas) crosses nodes.
+``LOCAL_WORLD_SIZE`` as torchrun sets it, which each rank is given) run when 2 <= k < world, and
+quantized gradients are then summed within each node before the nodes' sums cross them. Bytes
+per link class, from ``explain``'s bytes per group: a collective over a node group (hpZ's
+backward all-gathers, qgZ's sums within the node) stays within the node; every other one (the
+shard group, qgZ's exchange across nodes, the replicas) crosses nodes.
 
 Modelled step time at 100 and 400 Gbps between nodes (one link per rank, as GPU nodes have one
 NIC per GPU) and 1600 Gbps within a node: ring collectives over G ranks send (G-1)/G of a
@@ -69,7 +71,8 @@ SETTINGS = {
     # single-run difference has to be read against
     "1-ulp init": {"_one_ulp": True},
 }
-NODE_ROLE = "node"  # explain's group role of hpZ's node groups
+NODE_ROLE = "node"  # explain's group role of node groups (hpZ's gathers, qgZ's first sums)
+ACROSS_ROLE = "across_nodes"  # qgZ's exchange of the nodes' sums: one rank per node
 INTRA_GBPS = 1600
 MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
 SEQ = 64
@@ -312,10 +315,12 @@ def _print(results: dict) -> None:
             gather = wire.get("all_gather", 0)
             reduce = wire.get("reduce_scatter", 0)
             intra = groups.get(NODE_ROLE, 0)
+            across = groups.get(ACROSS_ROLE, 0)
             inter = sum(v for role, v in groups.items() if role != NODE_ROLE)
-            # ring over G ranks: (G-1)/G of the bytes per rank (the shard group spans the world;
-            # hybrid meshes are not benchmarked here)
-            inter_sent = (world - 1) / world * inter
+            # ring over G ranks: (G-1)/G of the bytes per rank (the shard group spans the world,
+            # the across-nodes group one rank per node; hybrid meshes are not benchmarked here)
+            nodes = world // per_node
+            inter_sent = (world - 1) / world * (inter - across) + (nodes - 1) / nodes * across
             intra_sent = (per_node - 1) / per_node * intra if per_node > 1 else 0
             cells = []
             for gbps in (100, 400):

@@ -19,6 +19,7 @@ from zero3_compile.collectives.schemes import (
     EAGER,
     QuantizedAllGather,
     QuantizedHybridReduce,
+    QuantizedNodeReduce,
     QuantizedReduceScatter,
     gather_scheme,
     reduce_scheme,
@@ -352,6 +353,89 @@ def test_hybrid_reduction_keeps_each_replicas_own_chunk_exact(bits):
     assert 0.6 < ratio < 0.9, ratio
 
 
+def _node_reduce(grads: list, bits: int, nodes: int, size: int, in_place: bool) -> list:
+    """Each rank's reduced shards of ``SHAPES`` through ``QuantizedNodeReduce`` on a simulated
+    flat group of ``nodes * size`` ranks in nodes of ``size`` (rank ``n * size + j``): the node
+    stage delivered as a sum (``in_place``: gloo's all-reduce, each rank taking its part) or a
+    reduce-scatter, then the all-to-all among the ranks of one index; and the bytes each rank
+    sent across nodes."""
+    world = nodes * size
+    specs = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
+    how = quantize.Quantization(bits, 16)
+    # fmt: off
+    schemes = [
+        QuantizedNodeReduce(
+            torch.float32, torch.float32, world_size=world, group="g", quantization=how,
+            own_rank=r, node_group="n", node_size=size, node_rank=r % size if in_place else None,
+            across_group="a", own_node=r // size,
+        )
+        for r in range(world)
+    ]
+    # fmt: on
+    emits = [_Exchange() for _ in range(world)]
+    works = [
+        schemes[r].issue(emits[r], 0, schemes[r].copy_in(EAGER, grads[r], specs), specs)
+        for r in range(world)
+    ]
+    for n in range(nodes):
+        members = emits[n * size : (n + 1) * size]
+        total = sum(m.sent for m in members)
+        for j, member in enumerate(members):
+            member.received = total if in_place else total.view(size, -1)[j]
+    waited = [schemes[r].wait(emits[r], 0, works[r]) for r in range(world)]
+    works = [schemes[r].issue(emits[r], 1, waited[r], specs) for r in range(world)]
+    sent_across = [e.sent.numel() for e in emits]
+    for j in range(size):
+        _deliver([emits[n * size + j] for n in range(nodes)], all_to_all=True)
+    out = []
+    for rank in range(world):
+        shapes = [_shard(torch.empty(shape), world, rank).shape for shape in SHAPES]
+        received = schemes[rank].wait(emits[rank], 1, works[rank])
+        out.append(schemes[rank].copy_out(EAGER, received, specs, shapes))
+    return out, sent_across
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("nodes,size,in_place", [(2, 2, True), (2, 2, False), (3, 2, True)])
+def test_a_group_across_nodes_sums_exactly_within_each_node_first(bits, nodes, size, in_place):
+    """qgZ over ranks in nodes: gradients of the owner's own node only are summed exactly (the
+    node's stage is full precision, the owner's node's row never quantized): each shard is
+    their mean to the bit; random gradients: within one step of each other node's sum, divided
+    by N; what crosses nodes is the nodes' quantized sums of one index: 1/size of what the flat
+    exchange of the same bucket sends."""
+    torch.manual_seed(bits + 10 * nodes + size)
+    world = nodes * size
+    for owner in range(world):
+        node = range(owner - owner % size, owner - owner % size + size)
+        grads = [
+            [torch.randn(s) if r in node else torch.zeros(s) for s in SHAPES] for r in range(world)
+        ]
+        shards, _ = _node_reduce(grads, bits, nodes, size, in_place)
+        for i in range(len(SHAPES)):
+            want = _shard(sum(grads[r][i] for r in node) / world, world, owner)
+            assert torch.equal(shards[owner][i], want), (owner, i)
+    grads = [[torch.randn(s) for s in SHAPES] for _ in range(world)]
+    shards, sent = _node_reduce(grads, bits, nodes, size, in_place)
+    for rank in range(world):
+        sums = [
+            [sum(grads[n * size + j][i] for j in range(size)) for i in range(len(SHAPES))]
+            for n in range(nodes)
+        ]
+        step = max(g.abs().max() for node_sums in sums for g in node_sums) / quantize.LEVELS[bits]
+        for i, got in enumerate(shards[rank]):
+            want = _shard(sum(g[i] for g in grads) / world, world, rank)
+            assert got.shape == want.shape
+            if want.numel():
+                assert (got - want).abs().max() <= step * (nodes - 1) / world * (1 + 1e-5)
+    specs = [spec_of_shape(tuple(shape), world) for shape in SHAPES]
+    flat = QuantizedReduceScatter(
+        torch.float32, torch.float32, world_size=world, group="g",
+        quantization=quantize.Quantization(bits, 16), own_rank=0,
+    )  # fmt: skip
+    payload, _ = flat.copy_in(EAGER, grads[0], specs)
+    assert all(n * size == payload.numel() for n in sent)
+
+
 def test_options_are_validated_with_the_fix():
     for options, words in (
         ({"weight_quantization": "int4"}, "'int8' or None"),
@@ -583,6 +667,15 @@ def profiled(rank, world, name):
     }
 
 
+def in_nodes(rank, world, name, *args):
+    """Scenario ``name`` with the ranks in nodes of 2, as torchrun says (``LOCAL_WORLD_SIZE``)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        return globals()[name](rank, world, *args)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE")
+
+
 def _scenario(rank, world, name, *args):
     torch._dynamo.reset()
     return globals()[name](rank, world, *args)
@@ -594,6 +687,7 @@ NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
 LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
 HYBRID_CASES = [("hybrid", n) for n in ("none", "qgz8", "qgz4")] + [("hpz_errors",)]
 PROFILED = [("profiled", name) for name in ("none", "zeropp")]
+PROFILED += [("in_nodes", "llama_explained", "qgz4")]
 HPZ_VARIANTS = [("hpz_variant", v, n) for v in ("ckpt", "offload", "bf16") for n in ("none", "hpz")]
 
 
@@ -751,16 +845,45 @@ def test_the_profiler_sees_the_bytes_explain_reports():
             gathers = sum(g.get("all_gather", {}).get("bytes", 0) for g in graphs.values())
             reduced = graphs["backward"]["reduce_scatter"]["bytes"]
             assert profiled == {"all_gather": gathers, "reduction": reduced}, (profiled, graphs)
-            if name == "zeropp":
+            if name == "zeropp":  # qgZ sums within the node (gloo: an all-reduce) first
                 kinds = {kind for kind, _ in r["profiled"]}
-                assert kinds == {"all_gather", "c10d::alltoall_base_"}, kinds
-                assert set(r["groups"]["backward"]) == {"node", "shard"}
-                assert "all_gather" not in r["groups"]["backward"]["shard"]
+                assert kinds == {"all_gather", "all_reduce", "c10d::alltoall_base_"}, kinds
+                assert set(r["groups"]["backward"]) == {"node", "across_nodes"}
     plain, zeropp = out[("profiled", "none")][0], out[("profiled", "zeropp")][0]
     forward = plain["collectives"]["forward"]["all_gather"]["bytes"]
     assert zeropp["collectives"]["forward"]["all_gather"]["bytes"] < 0.3 * forward
     gradients = plain["collectives"]["backward"]["reduce_scatter"]["bytes"]
-    assert zeropp["collectives"]["backward"]["reduce_scatter"]["bytes"] < 0.15 * gradients
+    across = zeropp["groups"]["backward"]["across_nodes"]["reduce_scatter"]
+    assert across < 0.15 / 2 * gradients  # int4, and half the rows: only this index's
+
+
+def test_quantized_gradients_across_nodes_sum_within_the_node_first():
+    """4 gloo ranks in nodes of 2 (``LOCAL_WORLD_SIZE=2``), qgZ int4: each bucket is summed at
+    full precision within the node (the uncompressed reduction's bytes, on the node group), then
+    only the nodes' sums of this rank's index cross nodes, quantized: half the flat quantized
+    exchange's bytes, a quarter of its rows' uncompressed; nothing over the whole shard group.
+    Training stays in qgZ int4's band of the uncompressed run."""
+    out = llama_results()
+    runs = zip(
+        out[("in_nodes", "llama_explained", "qgz4")],
+        out[("llama_explained", "qgz4")],
+        out[("llama_explained", "none")],
+    )
+    for ours, flat, plain in runs:
+        # uncompressed bytes per group (``group_full_bytes``)
+        groups, full = ours["groups"]["backward"], plain["groups"]["backward"]
+        assert "reduce_scatter" not in groups["shard"], groups  # its all-gathers only
+        assert groups["node"]["reduce_scatter"] == full["shard"]["reduce_scatter"]
+        assert groups["across_nodes"]["reduce_scatter"] * 2 == full["shard"]["reduce_scatter"]
+        flat_wire, _ = flat["graphs"]["backward"]["reduce_scatter"]
+        wire, wire_full = ours["graphs"]["backward"]["reduce_scatter"]
+        assert wire - full["shard"]["reduce_scatter"] == flat_wire // 2
+        assert wire_full == full["shard"]["reduce_scatter"] * 3 // 2
+        for loss, base in zip(ours["losses"], plain["losses"]):
+            assert abs(loss - base) <= LLAMA_LOSS_BAND["qgz4"] * base, (ours, plain)
+        assert ours["losses"] != plain["losses"] and ours["losses"] != flat["losses"]
+        errors = ours["reduce_errors"]
+        assert errors and all(0 < e["mean_relative"] for e in errors), errors
 
 
 # ---------------------------------------------------------------- hpZ: secondary shards

@@ -19,4 +19,5 @@ REPLICA_WAIT = "replica_wait"
 # mesh): the signatures and the cross-rank check compare these
 GROUP_SHARD = "shard"
 GROUP_REPLICATE = "replicate"
-GROUP_NODE = "node"  # a node's ranks of the shard group (hpZ's secondary shards)
+GROUP_NODE = "node"  # a node's ranks of the shard group (hpZ's secondary shards, qgZ's first sum)
+GROUP_ACROSS_NODES = "across_nodes"  # the shard group's ranks of one index on every node (qgZ)

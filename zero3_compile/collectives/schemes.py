@@ -27,7 +27,8 @@ cast, copy-in, collective, copy-out and division exist once, for both.
   dequantized and summed there (in the reduction dtype) with the owner's own row exact (it
   never crosses the wire); ``QuantizedHybridReduce`` sums the
   reduced shards across the replicas compressed too (a quantized all-to-all, then a quantized
-  all-gather of the summed chunks).
+  all-gather of the summed chunks); ``QuantizedNodeReduce``: a shard group across nodes sums
+  exactly within each node first, and only the nodes' sums cross them, quantized.
 - ``ReplicaReduce``: a mesh of N x 1: an all-reduce over the replicas (DDP's).
 - ``LocalReduce``: one rank: only the dtype and the shape change.
 
@@ -51,6 +52,7 @@ from ..compat import ALL_REDUCE_INPLACE as ALL_REDUCE_INPLACE_OP
 from ..compat import ALL_TO_ALL as ALL_TO_ALL_OP
 from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
 from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce, group_rank
+from ..sharding.nodes import across_nodes_group, node_group
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
 from .quantize import (
@@ -466,11 +468,15 @@ class QuantizedReduceScatter(ReduceScatter):
         work, *own = works  # the exact row is a value, not a collective
         return [emit.wait(self.stage_roles[0][1], work), *own]
 
+    def _exchange(self) -> tuple[int, int | None]:
+        """(ranks, this rank's index) of the quantized all-to-all."""
+        return self.world_size, self.own_rank
+
     def _summed_fn(self):
         """(received, [own]) -> their sum (aligned_numel,) in the reduction dtype, the row's
-        members still aligned to blocks; received (world * payload_bytes,): every rank's
+        members still aligned to blocks; received (ranks * payload_bytes,): every rank's
         quantized row of ours; own: our exact row, aligned, in place of its quantized copy."""
-        world, dtype, rank = self.world_size, self.dtype, self.own_rank
+        (world, rank), dtype = self._exchange(), self.dtype
         block, bits = self.quantization.block, self.quantization.bits
 
         def summed(received, *own):
@@ -494,6 +500,110 @@ class QuantizedReduceScatter(ReduceScatter):
 
         flat = emit.traced(roles.REDUCE_COPY_OUT, values, list(reduced))
         return ReduceScheme.copy_out(self, emit, [flat], specs, shard_shapes)
+
+
+@dataclass(frozen=True)
+class QuantizedNodeReduce(QuantizedReduceScatter):
+    """qgZ on a shard group that spans nodes of ``node_size`` ranks (ZeRO++'s hierarchical
+    reduction, its first level exact): the bucket's rows are summed within the node in the
+    reduction dtype (a reduce-scatter over the node group; stage 0), each rank keeping the sums
+    for its own index on every node; those ``nodes`` rows are then quantized, exchanged across
+    the nodes with one all-to-all among the ranks of that index, and dequantized and summed by
+    their owners, each its own node's row exact (stage 1). Rank ``r = n * k + j`` (node ``n``,
+    index ``j``, ``k = node_size``):
+
+    ```
+    copy-in:  rows (N, B) -> (k, nodes, B)        row (j, n): what rank (n, j) keeps
+    node:     reduce_scatter, node group ─► (nodes, B): row n the node's sum for rank (n, j)
+    across:   all_to_all(q(rows)), ranks j ─► sum(dq, own) = s     (B,)
+    ```
+
+    Within a node the links are an order of magnitude faster than across nodes (NVLink beside
+    one NIC per GPU), so compressing there saves little time for its noise; exact there, only
+    ``nodes - 1`` of the ``N - 1`` contributions to a shard carry rounding noise (one node's sum
+    each), and the bytes that cross nodes are ``1 / k`` of the flat exchange's.
+
+    ``node_rank`` set (gloo, see ``ReduceScatter.rank``): stage 0 is an in-place all-reduce over
+    the node group, this rank's ``(nodes, B)`` taken after it. ``own_node``: this rank's node
+    (its index in the across group); None: a graph read without its process groups."""
+
+    node_group: str = ""
+    node_size: int = 1
+    node_rank: int | None = None
+    across_group: str = ""
+    own_node: int | None = None
+    stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+        (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
+    )
+
+    def key(self) -> tuple:
+        node = (self.node_group, self.node_size, self.node_rank, self.across_group)
+        return (*super().key(), *node, self.own_node)
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    def _exchange(self) -> tuple[int, int | None]:
+        return self.nodes, self.own_node
+
+    @property
+    def _reduces_in_place(self) -> bool:
+        return False  # stage 0 reads the regrouped copy, never the copy-in's buffer
+
+    def copy_in(self, emit, grads, specs):
+        (flat,) = ReduceScheme.copy_in(self, emit, grads, specs)  # (N * B,)
+        nodes, size = self.nodes, self.node_size
+
+        def by_index(flat):  # (nodes, k, B) -> (k, nodes, B): each index's rows together
+            return flat.view(nodes, size, -1).transpose(0, 1).contiguous().view(-1)
+
+        return [emit.traced(roles.REDUCE_COPY_IN, by_index, [flat])]
+
+    def issue(self, emit, stage, payloads, specs):
+        if stage == 0:
+            (flat,) = payloads
+            if self.node_rank is not None:
+                args = (ALL_REDUCE_INPLACE_OP, flat, "sum", self.node_group)
+            else:
+                args = (REDUCE_SCATTER_OP, flat, "sum", self.node_size, self.node_group)
+            return [emit.collective(roles.REDUCE_SCATTER, roles.GROUP_NODE, *args)]
+        (summed,) = payloads  # the node's sums: (nodes, B), or every index's (gloo)
+        nodes, size, index, mine = self.nodes, self.node_size, self.node_rank, self.own_node
+        block, bits, sizes = (
+            self.quantization.block,
+            self.quantization.bits,
+            arithmetic.sizes(specs),
+        )
+
+        def payload(summed):
+            if index is not None:  # an all-reduce's: this rank's index's rows of it
+                part = summed.shape[0] // size
+                summed = summed.narrow(0, index * part, part)
+            rows = align_rows(summed.view(nodes, -1), sizes, block)
+            quantized = copy_ops.QUANTIZE_ROWS(rows, block, bits, True).view(-1)
+            return [quantized] if mine is None else [quantized, rows[mine].clone()]
+
+        quantized, *own = emit.traced(roles.REDUCE_COPY_OUT, payload, [summed])
+        value = quantized.meta["val"] if emit.in_graph else quantized
+        splits = [value.shape[0] // nodes] * nodes
+        work = emit.collective(
+            roles.REDUCE_SCATTER,
+            roles.GROUP_ACROSS_NODES,
+            ALL_TO_ALL_OP,
+            quantized,
+            splits,
+            splits,
+            self.across_group,
+            # uncompressed: the node's sums of the rows of this index
+            full_bytes=nodes * sum(sizes) * self.dtype.itemsize,
+        )
+        return [work, *own]
+
+    def wait(self, emit, stage, works):
+        work, *own = works  # the exact row is a value, not a collective
+        return [emit.wait(self.stage_roles[stage][1], work), *own]
 
 
 @dataclass(frozen=True)
@@ -716,7 +826,10 @@ def reduce_scheme(
     *,
     traced_copies: bool = False,
     quantization: Quantization | None = None,
+    node_size: int | None = None,
 ) -> ReduceScheme:
+    """How ``spec``'s gradients are reduced; ``node_size``: the shard group's ranks per node
+    where a quantized reduction is to sum within each node first (``QuantizedNodeReduce``)."""
     dtype = spec.reduce_dtype or grad_dtype
     if quantization is not None and spec.world_size > 1:
         row = {
@@ -725,6 +838,17 @@ def reduce_scheme(
             "quantization": quantization,
             "own_rank": group_rank(spec.group),
         }
+        if node_size is not None and spec.replicate_size == 1:
+            node = node_group(spec.group, node_size)
+            across = across_nodes_group(spec.group, node_size)
+            nodes = {
+                "node_group": node.name,
+                "node_size": node_size,
+                "node_rank": gloo_reduce_scatter_as_all_reduce(node.name),
+                "across_group": across.name,
+                "own_node": across.index,
+            }
+            return QuantizedNodeReduce(dtype, shard_dtype, traced_copies, **row, **nodes)
         if spec.replicate_size > 1:
             replicas = {
                 "replicate_group": spec.replicate_group,

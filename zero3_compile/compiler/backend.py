@@ -48,7 +48,7 @@ from ..compat import (
 )
 from ..runtime.gate import GatedCall
 from ..runtime.guard import DEFAULT_TIMEOUT_S
-from ..sharding.nodes import node_group, ranks_per_node
+from ..sharding.nodes import across_nodes_group, node_group, ranks_per_node, reduction_node_size
 from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
@@ -146,9 +146,16 @@ def _group_names(
     hpz = opts.secondary_shard is not None and opts.reshard_after_forward
     size = ranks_per_node(opts.secondary_shard) if hpz else 0
     for state in _sharded_states(gm, example_inputs):
-        names.update(n for n in (state.spec.group, state.spec.replicate_group) if n)
-        if hpz and state.spec.world_size > 1:
-            names.add(node_group(state.spec.group, size).name)
+        spec = state.spec
+        names.update(n for n in (spec.group, spec.replicate_group) if n)
+        if hpz and spec.world_size > 1:
+            names.add(node_group(spec.group, size).name)
+        quantized = opts.gradient_quantization and spec.replicate_size == 1
+        per_node = reduction_node_size(spec.group, opts.secondary_shard) if quantized else None
+        if per_node:
+            # qgZ's two levels (schemes.QuantizedNodeReduce)
+            names.add(node_group(spec.group, per_node).name)
+            names.add(across_nodes_group(spec.group, per_node).name)
     return tuple(sorted(names))
 
 

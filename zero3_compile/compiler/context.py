@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..collectives.quantize import Quantization
+from ..sharding.nodes import reduction_node_size
 from .options import Options
 
 GRAPH_KINDS = ("dynamo", "joint", "forward", "backward", "inference")
@@ -47,6 +48,13 @@ class PassContext:
     def reduce_quantization(self) -> Quantization | None:
         """How this graph's gradient reductions are compressed (``gradient_quantization``)."""
         return Quantization.of(self.options.gradient_quantization, self.options.quantization_block)
+
+    def reduce_node_size(self, shard_group: str) -> int | None:
+        """Ranks per node where this graph's quantized gradient reductions over ``shard_group``
+        sum within each node first (``schemes.QuantizedNodeReduce``); None: one exchange."""
+        if self.options.gradient_quantization is None:
+            return None
+        return reduction_node_size(shard_group, self.options.secondary_shard)
 
     def for_graph(self, graph_kind: str, graph_id: str = "") -> PassContext:
         if graph_kind not in GRAPH_KINDS:

@@ -99,6 +99,7 @@ def _reduce_traits(node: fx.Node, ctx: PassContext) -> tuple[tuple, int, str]:
         call.shard_dtype,
         traced_copies=ctx.options.fused_copies,
         quantization=ctx.reduce_quantization(),
+        node_size=ctx.reduce_node_size(call.spec.group),
     )
     return scheme.key(), reduce_bytes([call.spec], scheme.dtype), call.spec.fqn
 

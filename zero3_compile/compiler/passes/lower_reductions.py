@@ -84,6 +84,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
             first.shard_dtype,
             traced_copies=fused,
             quantization=ctx.reduce_quantization(),
+            node_size=ctx.reduce_node_size(first.spec.group),
         )
         specs = [c.spec for c in calls]
         record = BucketRecord(

@@ -311,15 +311,20 @@ def build_report(record: GraphRecord) -> GraphReport:
         waits = bucket.resolve(by_name, bucket.waits)
         if not collectives or collectives[0].meta.get(ROLE) != ROLE_REDUCE_SCATTER or not waits:
             continue  # one rank, or replicated parameters (counted as all-reduces below)
-        first, wait = collectives[0], waits[0]
+        # the reduction's own stages: one, or two (qgZ across nodes: within the node, then
+        # across); an all-reduce across replicas after them is counted as one below
+        stages = [c for c in collectives if c.meta.get(ROLE) == ROLE_REDUCE_SCATTER]
+        first, wait = stages[0], waits[len(stages) - 1]
         grads = _gradient_sources(first)
-        wire = _nbytes(first.args[0].meta["val"])
+        sizes = [_nbytes(c.args[0].meta["val"]) for c in stages]
+        full = [bucket.full_bytes or sizes[0]]
+        full += [c.meta.get(FULL_BYTES, size) for c, size in zip(stages[1:], sizes[1:])]
         report.reductions.append(
             ReduceInfo(
                 bucket=bucket.index,
                 params=list(bucket.params),
-                bytes=wire,
-                full_bytes=bucket.full_bytes or wire,
+                bytes=sum(sizes),
+                full_bytes=sum(full),
                 ready=max((pos[g] for g in grads), default=pos[first]),
                 issue=pos[first],
                 wait=pos[wait],
