@@ -68,8 +68,11 @@ class Options:
         exchanged with one all-to-all and summed in the reduction dtype by their owner, its own
         row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding within the
         row, then across the replicas as a quantized all-to-all of chunks and an all-gather of
-        their quantized sums (the replicas' shards stay identical). Rounding is stochastic
-        (unbiased). None (default): off.
+        their quantized sums (the replicas' shards stay identical). A shard group across nodes
+        (k ranks each: ``secondary_shard``'s count, else torchrun's ``LOCAL_WORLD_SIZE``) sums
+        each bucket exactly within the node first, and only the nodes' sums of each rank's rows
+        cross nodes, quantized: 1/k of the flat exchange's bytes between nodes, the rounding
+        error about the flat one's. Rounding is stochastic (unbiased). None (default): off.
     quantization_block: elements per float32 scale of both (a multiple of 8; default 256); each
         parameter's part of a bucket starts a new block.
     secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
