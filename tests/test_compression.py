@@ -499,9 +499,9 @@ def _train_llama(step, model, reference, tokens, targets, rank, world, steps=3):
     return losses, ref_losses
 
 
-def llama_explained(rank, world, name):
+def llama_explained(rank, world, name, codegen="eager"):
     """The Llama's collectives as ``explain`` reports them, and 3 steps of training."""
-    options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
+    options = {"codegen": codegen, "quantization_block": 64, **COMPRESSED[name]}
     torch.manual_seed(0)
     config = TinyLlamaConfig(dim=32, hidden=64, n_layers=2)
     reference = TinyLlama(config)
@@ -687,7 +687,7 @@ NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
 LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
 HYBRID_CASES = [("hybrid", n) for n in ("none", "qgz8", "qgz4")] + [("hpz_errors",)]
 PROFILED = [("profiled", name) for name in ("none", "zeropp")]
-PROFILED += [("in_nodes", "llama_explained", "qgz4")]
+PROFILED += [("in_nodes", "llama_explained", "qgz4", codegen) for codegen in ("eager", "inductor")]
 HPZ_VARIANTS = [("hpz_variant", v, n) for v in ("ckpt", "offload", "bf16") for n in ("none", "hpz")]
 
 
@@ -862,14 +862,21 @@ def test_quantized_gradients_across_nodes_sum_within_the_node_first():
     full precision within the node (the uncompressed reduction's bytes, on the node group), then
     only the nodes' sums of this rank's index cross nodes, quantized: half the flat quantized
     exchange's bytes, a quarter of its rows' uncompressed; nothing over the whole shard group.
-    Training stays in qgZ int4's band of the uncompressed run."""
+    Training stays in qgZ int4's band of the uncompressed run, under Inductor too."""
     out = llama_results()
     runs = zip(
-        out[("in_nodes", "llama_explained", "qgz4")],
+        out[("in_nodes", "llama_explained", "qgz4", "eager")],
+        out[("in_nodes", "llama_explained", "qgz4", "inductor")],
         out[("llama_explained", "qgz4")],
         out[("llama_explained", "none")],
     )
-    for ours, flat, plain in runs:
+    for ours, inductor, flat, plain in runs:
+        # Inductor runs the same two stages; its float kernels differ in the last bits, which
+        # redraws the stochastic rounding: within int4's band of eager, not equal to it
+        assert inductor["groups"] == ours["groups"]
+        assert inductor["losses"][0] == pytest.approx(ours["losses"][0], rel=1e-5)
+        for loss, base in zip(inductor["losses"], ours["losses"]):
+            assert abs(loss - base) <= LLAMA_LOSS_BAND["qgz4"] * base
         # uncompressed bytes per group (``group_full_bytes``)
         groups, full = ours["groups"]["backward"], plain["groups"]["backward"]
         assert "reduce_scatter" not in groups["shard"], groups  # its all-gathers only

@@ -560,7 +560,8 @@ class QuantizedNodeReduce(QuantizedReduceScatter):
         nodes, size = self.nodes, self.node_size
 
         def by_index(flat):  # (nodes, k, B) -> (k, nodes, B): each index's rows together
-            return flat.view(nodes, size, -1).transpose(0, 1).contiguous().view(-1)
+            # permute, not transpose: the graph is ATen, and Inductor lowers no transpose.int
+            return flat.view(nodes, size, -1).permute(1, 0, 2).contiguous().view(-1)
 
         return [emit.traced(roles.REDUCE_COPY_IN, by_index, [flat])]
 
