@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -453,14 +454,15 @@ def test_a_bit_flipped_shard_is_refused_naming_it(saved):
 
 
 def _hashing(monkeypatch) -> list[tuple[str, bool]]:
-    """(file name, whether its bytes were kept to be loaded) of every file a load hashes."""
-    hashed, original = [], ckpt._hashed_read
+    """(file name, whether it was hashed beside DCP's parse of it) of every file a load hashes."""
+    hashed, original = [], ckpt._digest
 
-    def counted(path, keep):
-        hashed.append((os.path.basename(path), keep))
-        return original(path, keep)
+    def counted(path):
+        beside = threading.current_thread().name.startswith("zero3-ckpt-read")
+        hashed.append((os.path.basename(path), beside))
+        return original(path)
 
-    monkeypatch.setattr(ckpt, "_hashed_read", counted)
+    monkeypatch.setattr(ckpt, "_digest", counted)
     return hashed
 
 
@@ -488,6 +490,22 @@ def test_a_flipped_bit_loads_nothing_whether_checked_as_read_or_first(saved, mon
     _refused(path, "'__1_0.distcp' does not match the sha256")
     assert (("__1_0.distcp", False) in hashed) == first, hashed
     assert (("__1_0.distcp", True) in hashed) == (not first), hashed
+
+
+def test_a_shard_that_cannot_be_parsed_is_refused_as_damaged_not_as_the_parse_error(saved):
+    """The file is parsed while it is hashed: a parse that fails on a damaged file (zeroed, its
+    size kept) is reported as the damage, naming the file, with the parse's error as its cause."""
+    folder, _ = saved
+    path = _copy(folder, "unparsable")
+    shard = os.path.join(path, "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.write(b"\0" * os.path.getsize(shard))
+    _refused(path, "'__1_0.distcp' does not match the sha256")
+    with pytest.raises(CheckpointCorruptError) as caught:
+        z3.load_checkpoint(path, GPT())
+    found = [f[0] if isinstance(f, tuple) else f for f in caught.value.__cause__.failures.values()]
+    causes = [e.__cause__ for e in found if isinstance(e, CheckpointCorruptError)]
+    assert len(causes) == 1 and causes[0] is not None, found  # the parse failed first
 
 
 def test_a_bit_flipped_metadata_file_is_refused_naming_it(saved):

@@ -11,12 +11,14 @@ is the directory swapped in for ``path``: an interrupted save (a full disk, a ki
 the previous checkpoint intact and loadable.
 
 ``load_checkpoint`` checks the checkpoint against the manifest: every file present with its size
-first, then each file's sha256 as it reads it (the file read whole into memory, hashed on the way,
-checked before DCP parses it), and nothing becomes the model's until every rank read everything:
-offloaded values are written to their stores' free slots, committed at the end
-(``offload/incoming.py``); the values it loads into memory wait in buffers until then. A load
-that cannot hold its largest file, or its in-memory values twice, hashes every file first (the
-ranks share the hashing) and reads them again to load them. Either way a missing, truncated or
+first, then each file's sha256 as it reads it (a thread hashes the file from start to end while
+DCP parses its items; the file is checked when DCP closes it, and a parse that failed on a damaged
+file is reported as the damage), and nothing becomes the model's until every rank read everything
+and every file it read was intact: offloaded values are written to their stores' free slots,
+committed at the end (``offload/incoming.py``); the values it loads into memory wait in buffers
+until then. No file is held whole: a load holds the item DCP parses and the one being written.
+A load that cannot hold its in-memory values twice hashes every file first (the ranks share the
+hashing) and reads them again to load them. Either way a missing, truncated or
 modified file, or one copied in from another save, raises ``CheckpointCorruptError`` naming the
 file on every rank, never a model with wrong values. A checkpoint without a manifest loads only
 with ``verify=False``. It reads back at any world size (DCP reshards), and reads DCP's metadata
@@ -82,12 +84,13 @@ _MANIFEST_FORMAT = "zero3-checkpoint-manifest"
 _MANIFEST_VERSION = 1
 _METADATA = ".metadata"
 _SAVE_THREADS = 2  # writer threads of a save of offloaded values (two tensors held at a time)
-_HASH_CHUNK = 8 << 20  # bytes read at a time to hash a file
-# a load checks each file as it reads it when it can hold the largest file whole and the values
-# it loads into memory twice; else it checks every file first, and reads them again to load them
-_READ_WHOLE_MAX = 1 << 30
+_HASH_CHUNK = 2 << 20  # bytes read at a time to hash a file
+# a load checks each file as it reads it when it can hold the values it loads into memory twice;
+# else it checks every file first, and reads them again to load them
 _STAGED_MAX = 256 << 20
-_AHEAD_BYTES = 16 << 20  # of files read ahead of the one DCP parses (at least the next one)
+# of files hashed ahead of the one DCP parses (at least the next one); they wait in the page
+# cache, not in the process
+_AHEAD_BYTES = 256 << 20
 ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other's answer
 
 
@@ -234,9 +237,9 @@ def load_checkpoint(
         if extra:
             state["extra"] = dict(extra)
         if manifest is not None:
-            if _verified_on_read(state, manifest):
+            if _verified_on_read(state):
                 staged = []
-            else:  # a file or the in-memory values too large to hold twice: verified first
+            else:  # the in-memory values too large to hold twice: every file verified first
                 reader.fs.verifying = False
                 _checked_manifest(path, hashing=True)
         dcp.load(state, storage_reader=reader, planner=_IncomingPlanner(writes, staged))
@@ -501,23 +504,14 @@ def _fsync_dir(path: str) -> None:
 
 
 def _digest(path: str) -> tuple[int, str]:
-    size, digest, _ = _hashed_read(path, keep=False)
-    return size, digest
-
-
-def _hashed_read(path: str, keep: bool) -> tuple[int, str, memoryview | None]:
-    """(size, sha256, with ``keep`` the bytes) of the file at ``path``; each chunk is read while
-    the one before it is hashed (both give up the GIL: the disk and the hashing overlap)."""
+    """(size, sha256) of the file at ``path``; each chunk is read while the one before it is
+    hashed (both give up the GIL: the disk and the hashing overlap)."""
     sha = hashlib.sha256()
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
-        whole = memoryview(bytearray(os.fstat(f.fileno()).st_size)) if keep else None
-        spare = [memoryview(bytearray(_HASH_CHUNK)) for _ in range(0 if keep else 2)]
+        spare = [memoryview(bytearray(_HASH_CHUNK)) for _ in range(2)]
 
         def read(index: int) -> memoryview:
-            if whole is None:
-                view = spare[index % 2]
-            else:
-                view = whole[index * _HASH_CHUNK : (index + 1) * _HASH_CHUNK]
+            view = spare[index % 2]
             done = 0
             while done < len(view) and (n := f.readinto(view[done:])):
                 done += n
@@ -530,7 +524,7 @@ def _hashed_read(path: str, keep: bool) -> tuple[int, str, memoryview | None]:
             size += len(chunk)
             index += 1
             chunk = following.result()
-    return size, sha.hexdigest(), None if whole is None else whole[:size]
+    return size, sha.hexdigest()
 
 
 def _exchange(fn: Callable[[], Any], what: str) -> list[Any]:
@@ -698,23 +692,20 @@ def _read_rank_state(
         return torch.load(io.BytesIO(f.read()), weights_only=True)
 
 
-def _verified_on_read(state: dict[str, Any], manifest: dict[str, Any]) -> bool:
+def _verified_on_read(state: dict[str, Any]) -> bool:
     """Whether a load checks each file as it reads it (``_VerifyingFileSystem``): it then holds
-    a file whole, and the values it loads into memory twice (``staged``) until every rank read
-    everything. The same answer on every rank (the load verifies first on all, or on none)."""
+    the values it loads into memory twice (``staged``) until every rank read everything and
+    every file it read was intact. The same answer on every rank (the load verifies first on
+    all, or on none)."""
     from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_leaves
 
-    largest = max(
-        (r["size"] for name, r in manifest["files"].items() if name.endswith(".distcp")),
-        default=0,
-    )
     in_memory = 0
     for value in tree_leaves(state):
         if isinstance(value, torch.Tensor) and incoming(value) is None:
             local = value._local_tensor if isinstance(value, DTensor) else value
             in_memory += local.numel() * local.element_size()
-    fits = largest <= _READ_WHOLE_MAX and in_memory <= _STAGED_MAX
+    fits = in_memory <= _STAGED_MAX
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, fits)
@@ -899,9 +890,11 @@ class _IncomingReader(SafeFileSystemReader):
 
 
 class _VerifyingFileSystem(FileSystem):
-    """A file of the checkpoint opened for reading is read whole into memory, hashed on the way,
-    and checked against the manifest before anything parses it (``load_checkpoint``: the
-    checkpoint read once, not once to verify and once to load)."""
+    """A file of the checkpoint opened for reading is hashed whole on a thread while DCP parses
+    the items it reads from it, and checked against the manifest when DCP closes it: the
+    checkpoint is read from the disk once (the parse and the hash share the page cache), and no
+    file is held in the process (``load_checkpoint`` commits nothing until every rank read
+    everything it needs from intact files)."""
 
     def __init__(self, root: str, manifest: dict[str, Any]) -> None:
         super().__init__()
@@ -909,22 +902,39 @@ class _VerifyingFileSystem(FileSystem):
         self.manifest = manifest
         self.verifying = True
         self.queue: collections.deque[str] = collections.deque()
-        self.ahead: dict[str, tuple[Future, int]] = {}  # path -> its _hashed_read, its size
+        self.hashing: dict[str, Future] = {}  # path -> its _digest, started, not yet checked
         self.pool: ThreadPoolExecutor | None = None
 
     def read_ahead(self, paths: list[str]) -> None:
-        """The files about to be opened, in order: each is read (and hashed) on a thread ahead
-        of its turn, up to ``_AHEAD_BYTES`` of them (at least the next one), so the disk keeps
-        reading while the files before it are parsed and copied."""
+        """The files about to be opened, in order: each is hashed on a thread ahead of its turn,
+        up to ``_AHEAD_BYTES`` of them beyond the one DCP parses (at least the next one), so the
+        disk keeps reading while the files before it are parsed and copied."""
         self.queue.extend(paths)
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="zero3-ckpt-read")
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(2, thread_name_prefix="zero3-ckpt-read")
         self._top_up()
 
+    def _hash(self, path: str) -> Future:
+        if self.pool is None:  # a file opened outside a read step (the metadata): hashed first
+            done: Future = Future()
+            try:
+                done.set_result(_digest(path))
+            except OSError as error:
+                done.set_exception(error)
+            return done
+        if path in self.queue:
+            self.queue.remove(path)
+        future = self.hashing.pop(path, None) or self.pool.submit(_digest, path)
+        self._top_up()
+        return future
+
     def _top_up(self) -> None:
-        ahead = sum(size for _, size in self.ahead.values())
-        while self.queue and (not self.ahead or ahead + self._size(self.queue[0]) <= _AHEAD_BYTES):
+        ahead = sum(self._size(path) for path in self.hashing)
+        while self.queue and (
+            not self.hashing or ahead + self._size(self.queue[0]) <= _AHEAD_BYTES
+        ):
             path = self.queue.popleft()
-            self.ahead[path] = (self.pool.submit(_hashed_read, path, True), self._size(path))
+            self.hashing[path] = self.pool.submit(_digest, path)
             ahead += self._size(path)
 
     def _size(self, path: str) -> int:
@@ -933,11 +943,18 @@ class _VerifyingFileSystem(FileSystem):
 
     def stop(self) -> None:
         self.queue.clear()
-        for future, _ in self.ahead.values():
+        for future in self.hashing.values():
             future.cancel()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-        self.ahead, self.pool = {}, None
+        self.hashing, self.pool = {}, None
+
+    def _problem(self, name: str, want: dict[str, Any], hashed: Future) -> str | None:
+        try:
+            size, digest = hashed.result()
+        except OSError as error:
+            return f"is unreadable ({type(error).__name__}: {error})"
+        return _content_problem(self.root, name, want, self.manifest["save_id"], size, digest)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -949,44 +966,15 @@ class _VerifyingFileSystem(FileSystem):
         want = self.manifest["files"].get(name)
         if want is None:
             raise _corrupt(self.root, [(name, "is not in the manifest: no save wrote it")])
-        ahead = self.ahead.pop(os.fspath(path), None)
-        if ahead is None:
-            size, digest, data = _hashed_read(os.fspath(path), keep=True)
-        else:
-            self._top_up()
-            size, digest, data = ahead[0].result()
-        save_id = self.manifest["save_id"]
-        reason = _content_problem(self.root, name, want, save_id, size, digest)
+        hashed = self._hash(os.fspath(path))
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as error:  # what a damaged file does to the parse: named as the damage
+            reason = self._problem(name, want, hashed)
+            if reason is not None:
+                raise _corrupt(self.root, [(name, reason)]) from error
+            raise
+        reason = self._problem(name, want, hashed)
         if reason is not None:
             raise _corrupt(self.root, [(name, reason)])
-        yield _MemoryFile(data)
-
-
-class _MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over bytes in memory (no copy of them, as ``BytesIO`` makes)."""
-
-    def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self.data = data
-        self.position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), len(self.data) - self.position))
-        view[:n] = self.data[self.position : self.position + n]
-        self.position += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.data)}[whence]
-        self.position = base + offset
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
