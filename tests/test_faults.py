@@ -453,16 +453,17 @@ def test_a_bit_flipped_shard_is_refused_naming_it(saved):
     _refused(path, "'__1_0.distcp' does not match the sha256")
 
 
-def _hashing(monkeypatch) -> list[tuple[str, bool]]:
-    """(file name, whether it was hashed beside DCP's parse of it) of every file a load hashes."""
-    hashed, original = [], ckpt._digest
+def _hashing(monkeypatch) -> list[tuple[str, bool, bool]]:
+    """(file name, whether its bytes were kept to be loaded, whether it was hashed by the
+    load's reader threads rather than before the load) of every file a load hashes."""
+    hashed, original = [], ckpt._hashed_read
 
-    def counted(path):
-        beside = threading.current_thread().name.startswith("zero3-ckpt-read")
-        hashed.append((os.path.basename(path), beside))
-        return original(path)
+    def counted(path, keep):
+        reader = threading.current_thread().name.startswith("zero3-ckpt-read")
+        hashed.append((os.path.basename(path), keep, reader))
+        return original(path, keep)
 
-    monkeypatch.setattr(ckpt, "_digest", counted)
+    monkeypatch.setattr(ckpt, "_hashed_read", counted)
     return hashed
 
 
@@ -474,38 +475,50 @@ def test_an_intact_load_reads_each_tensor_file_once_hashing_it_as_it_loads(saved
     for key, value in results[0]["a"].items():
         assert torch.equal(model.state_dict()[key], value), key
     shards = [entry for entry in hashed if entry[0].endswith(".distcp")]
-    assert sorted(shards) == [("__0_0.distcp", True), ("__1_0.distcp", True)], hashed
+    assert sorted(shards) == [("__0_0.distcp", True, True), ("__1_0.distcp", True, True)], hashed
 
 
-@pytest.mark.parametrize("first", [False, True], ids=["checked-as-read", "checked-first"])
-def test_a_flipped_bit_loads_nothing_whether_checked_as_read_or_first(saved, monkeypatch, first):
-    """A load that could not hold its in-memory values twice (here: none may be held) hashes
-    every file before it reads any of them into the model, as ``verify_checkpoint`` does."""
+@pytest.mark.parametrize("how", ["read-whole", "beside-the-parse", "checked-first"])
+def test_a_flipped_bit_loads_nothing_however_it_is_checked(saved, monkeypatch, how):
+    """A file up to ``_READ_WHOLE_MAX`` is read whole and checked before the parse; a larger one
+    (here: every one) is hashed beside the parse and checked when DCP closes it; a load that
+    could not hold its in-memory values twice (here: none may be held) hashes every file before
+    it reads any of them into the model, as ``verify_checkpoint`` does."""
     folder, _ = saved
-    path = _copy(folder, f"flipped-{'first' if first else 'as-read'}")
+    path = _copy(folder, f"flipped-{how}")
     _flip_a_bit(os.path.join(path, "__1_0.distcp"))
-    if first:
+    if how == "checked-first":
         monkeypatch.setattr(ckpt, "_STAGED_MAX", 0)
+    if how == "beside-the-parse":
+        monkeypatch.setattr(ckpt, "_READ_WHOLE_MAX", 0)
     hashed = _hashing(monkeypatch)
     _refused(path, "'__1_0.distcp' does not match the sha256")
-    assert (("__1_0.distcp", False) in hashed) == first, hashed
-    assert (("__1_0.distcp", True) in hashed) == (not first), hashed
+    expected = {
+        "read-whole": ("__1_0.distcp", True, True),
+        "beside-the-parse": ("__1_0.distcp", False, True),
+        "checked-first": ("__1_0.distcp", False, False),
+    }
+    assert [h for h in hashed if h[0] == "__1_0.distcp"] == [expected[how]], hashed
 
 
-def test_a_shard_that_cannot_be_parsed_is_refused_as_damaged_not_as_the_parse_error(saved):
-    """The file is parsed while it is hashed: a parse that fails on a damaged file (zeroed, its
-    size kept) is reported as the damage, naming the file, with the parse's error as its cause."""
+@pytest.mark.parametrize("beside", [False, True], ids=["read-whole", "beside-the-parse"])
+def test_a_shard_that_cannot_be_parsed_is_refused_as_damaged(saved, monkeypatch, beside):
+    """A file zeroed (its size kept) is refused naming it: before DCP parses it when it is
+    read whole; when it is hashed beside the parse, the parse fails first and its error is
+    reported as the damage it comes from."""
     folder, _ = saved
-    path = _copy(folder, "unparsable")
+    path = _copy(folder, f"unparsable-{beside}")
     shard = os.path.join(path, "__1_0.distcp")
     with open(shard, "r+b") as f:
         f.write(b"\0" * os.path.getsize(shard))
+    if beside:
+        monkeypatch.setattr(ckpt, "_READ_WHOLE_MAX", 0)
     _refused(path, "'__1_0.distcp' does not match the sha256")
     with pytest.raises(CheckpointCorruptError) as caught:
         z3.load_checkpoint(path, GPT())
     found = [f[0] if isinstance(f, tuple) else f for f in caught.value.__cause__.failures.values()]
     causes = [e.__cause__ for e in found if isinstance(e, CheckpointCorruptError)]
-    assert len(causes) == 1 and causes[0] is not None, found  # the parse failed first
+    assert len(causes) == 1 and (causes[0] is not None) == beside, found
 
 
 def test_a_bit_flipped_metadata_file_is_refused_naming_it(saved):

@@ -88,9 +88,10 @@ _HASH_CHUNK = 2 << 20  # bytes read at a time to hash a file
 # a load checks each file as it reads it when it can hold the values it loads into memory twice;
 # else it checks every file first, and reads them again to load them
 _STAGED_MAX = 256 << 20
-# of files hashed ahead of the one DCP parses (at least the next one); they wait in the page
-# cache, not in the process
-_AHEAD_BYTES = 256 << 20
+# a file up to this size is read whole into memory (hashed on the way) and checked before DCP
+# parses it; a larger one is hashed on a thread beside the parse and checked when DCP closes it
+_READ_WHOLE_MAX = 64 << 20
+_AHEAD_BYTES = 16 << 20  # of files read ahead of the one DCP parses (at least the next one)
 ROLL_CALL_S = 2.0  # how long survivors of a failed collective wait for each other's answer
 
 
@@ -504,14 +505,23 @@ def _fsync_dir(path: str) -> None:
 
 
 def _digest(path: str) -> tuple[int, str]:
-    """(size, sha256) of the file at ``path``; each chunk is read while the one before it is
-    hashed (both give up the GIL: the disk and the hashing overlap)."""
+    size, digest, _ = _hashed_read(path, keep=False)
+    return size, digest
+
+
+def _hashed_read(path: str, keep: bool) -> tuple[int, str, memoryview | None]:
+    """(size, sha256, with ``keep`` the bytes) of the file at ``path``; each chunk is read while
+    the one before it is hashed (both give up the GIL: the disk and the hashing overlap)."""
     sha = hashlib.sha256()
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
-        spare = [memoryview(bytearray(_HASH_CHUNK)) for _ in range(2)]
+        whole = memoryview(bytearray(os.fstat(f.fileno()).st_size)) if keep else None
+        spare = [memoryview(bytearray(_HASH_CHUNK)) for _ in range(0 if keep else 2)]
 
         def read(index: int) -> memoryview:
-            view = spare[index % 2]
+            if whole is None:
+                view = spare[index % 2]
+            else:
+                view = whole[index * _HASH_CHUNK : (index + 1) * _HASH_CHUNK]
             done = 0
             while done < len(view) and (n := f.readinto(view[done:])):
                 done += n
@@ -524,7 +534,7 @@ def _digest(path: str) -> tuple[int, str]:
             size += len(chunk)
             index += 1
             chunk = following.result()
-    return size, sha.hexdigest()
+    return size, sha.hexdigest(), None if whole is None else whole[:size]
 
 
 def _exchange(fn: Callable[[], Any], what: str) -> list[Any]:
@@ -890,11 +900,13 @@ class _IncomingReader(SafeFileSystemReader):
 
 
 class _VerifyingFileSystem(FileSystem):
-    """A file of the checkpoint opened for reading is hashed whole on a thread while DCP parses
-    the items it reads from it, and checked against the manifest when DCP closes it: the
-    checkpoint is read from the disk once (the parse and the hash share the page cache), and no
-    file is held in the process (``load_checkpoint`` commits nothing until every rank read
-    everything it needs from intact files)."""
+    """A file of the checkpoint opened for reading is checked against the manifest as it is
+    read, so the checkpoint is read from the disk once (``load_checkpoint``). A file of up to
+    ``_READ_WHOLE_MAX`` bytes is read whole into memory, hashed on the way, and checked before
+    DCP parses it; a larger one is hashed on a thread while DCP parses the items it reads from
+    it (the two share the page cache) and checked when DCP closes it, so no large file is held
+    in the process (``load_checkpoint`` commits nothing until every rank read everything it
+    needs from intact files)."""
 
     def __init__(self, root: str, manifest: dict[str, Any]) -> None:
         super().__init__()
@@ -902,39 +914,34 @@ class _VerifyingFileSystem(FileSystem):
         self.manifest = manifest
         self.verifying = True
         self.queue: collections.deque[str] = collections.deque()
-        self.hashing: dict[str, Future] = {}  # path -> its _digest, started, not yet checked
+        self.ahead: dict[str, tuple[Future, int]] = {}  # path -> its _hashed_read, its size
         self.pool: ThreadPoolExecutor | None = None
 
     def read_ahead(self, paths: list[str]) -> None:
-        """The files about to be opened, in order: each is hashed on a thread ahead of its turn,
-        up to ``_AHEAD_BYTES`` of them beyond the one DCP parses (at least the next one), so the
-        disk keeps reading while the files before it are parsed and copied."""
+        """The files about to be opened, in order: each is read (and hashed) on a thread ahead
+        of its turn, up to ``_AHEAD_BYTES`` of them (at least the next one), so the disk keeps
+        reading while the files before it are parsed and copied."""
         self.queue.extend(paths)
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(2, thread_name_prefix="zero3-ckpt-read")
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="zero3-ckpt-read")
         self._top_up()
 
-    def _hash(self, path: str) -> Future:
-        if self.pool is None:  # a file opened outside a read step (the metadata): hashed first
+    def _start(self, path: str) -> tuple[Future, int]:
+        size = self._size(path)
+        keep = size <= _READ_WHOLE_MAX
+        if self.pool is None:  # a file opened outside a read step (the metadata): read first
             done: Future = Future()
             try:
-                done.set_result(_digest(path))
+                done.set_result(_hashed_read(path, keep))
             except OSError as error:
                 done.set_exception(error)
-            return done
-        if path in self.queue:
-            self.queue.remove(path)
-        future = self.hashing.pop(path, None) or self.pool.submit(_digest, path)
-        self._top_up()
-        return future
+            return done, size
+        return self.pool.submit(_hashed_read, path, keep), size
 
     def _top_up(self) -> None:
-        ahead = sum(self._size(path) for path in self.hashing)
-        while self.queue and (
-            not self.hashing or ahead + self._size(self.queue[0]) <= _AHEAD_BYTES
-        ):
+        ahead = sum(size for _, size in self.ahead.values())
+        while self.queue and (not self.ahead or ahead + self._size(self.queue[0]) <= _AHEAD_BYTES):
             path = self.queue.popleft()
-            self.hashing[path] = self.pool.submit(_digest, path)
+            self.ahead[path] = self._start(path)
             ahead += self._size(path)
 
     def _size(self, path: str) -> int:
@@ -943,15 +950,15 @@ class _VerifyingFileSystem(FileSystem):
 
     def stop(self) -> None:
         self.queue.clear()
-        for future in self.hashing.values():
+        for future, _ in self.ahead.values():
             future.cancel()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-        self.hashing, self.pool = {}, None
+        self.ahead, self.pool = {}, None
 
-    def _problem(self, name: str, want: dict[str, Any], hashed: Future) -> str | None:
+    def _problem(self, name: str, want: dict[str, Any], read: Future) -> str | None:
         try:
-            size, digest = hashed.result()
+            size, digest, _ = read.result()
         except OSError as error:
             return f"is unreadable ({type(error).__name__}: {error})"
         return _content_problem(self.root, name, want, self.manifest["save_id"], size, digest)
@@ -966,15 +973,55 @@ class _VerifyingFileSystem(FileSystem):
         want = self.manifest["files"].get(name)
         if want is None:
             raise _corrupt(self.root, [(name, "is not in the manifest: no save wrote it")])
-        hashed = self._hash(os.fspath(path))
+        if os.fspath(path) in self.queue:
+            self.queue.remove(os.fspath(path))
+        read, _ = self.ahead.pop(os.fspath(path), None) or self._start(os.fspath(path))
+        if self.pool is not None:
+            self._top_up()
+        if want["size"] <= _READ_WHOLE_MAX:  # read whole: checked before anything parses it
+            reason = self._problem(name, want, read)
+            if reason is not None:
+                raise _corrupt(self.root, [(name, reason)])
+            yield _MemoryFile(read.result()[2])
+            return
         try:
             with super().create_stream(path, mode) as stream:
                 yield stream
         except Exception as error:  # what a damaged file does to the parse: named as the damage
-            reason = self._problem(name, want, hashed)
+            reason = self._problem(name, want, read)
             if reason is not None:
                 raise _corrupt(self.root, [(name, reason)]) from error
             raise
-        reason = self._problem(name, want, hashed)
+        reason = self._problem(name, want, read)
         if reason is not None:
             raise _corrupt(self.root, [(name, reason)])
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes in memory (no copy of them, as ``BytesIO`` makes)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self.data = data
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), len(self.data) - self.position))
+        view[:n] = self.data[self.position : self.position + n]
+        self.position += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.data)}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
