@@ -988,13 +988,19 @@ def _status_kb(field: str) -> int:
     raise AssertionError(field)
 
 
-def test_250_mb_offloaded_resume_in_new_processes_bit_identically():
+def _run_then_resume(fn, timeout: float) -> tuple[list, list]:
+    """``fn(rank, world, folder, resume)`` on 2 ranks, then again in new processes with
+    ``resume=True``, in a folder deleted afterwards."""
     folder = tempfile.mkdtemp(prefix="zero3-offload-resume-")
     try:
-        first = run_ranks(_wide_run, 2, folder, False, timeout=600)
-        resumed = run_ranks(_wide_run, 2, folder, True, timeout=600)
+        first = run_ranks(fn, 2, folder, False, timeout=timeout)
+        return first, run_ranks(fn, 2, folder, True, timeout=timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_250_mb_offloaded_resume_in_new_processes_bit_identically():
+    first, resumed = _run_then_resume(_wide_run, timeout=600)
     assert first[0]["state_bytes"] >= 250e6
     for r in first:  # the save reads each offloaded tensor right before writing it
         # (measured 41-57 MiB of 120 MiB of offloaded state per rank: a few of the 8 MiB tensors
@@ -1049,12 +1055,7 @@ def test_a_checkpoint_load_holds_no_file_whole():
     parse: the load holds the item DCP parsed and the buffer being written to the store (2x
     the shard: measured 135 MiB for a 64 MiB shard), not the file too (3x: 195 MiB when every
     file was read whole to be checked before the parse)."""
-    folder = tempfile.mkdtemp(prefix="zero3-offload-big-tensor-")
-    try:
-        saved = run_ranks(_one_big_tensor, 2, folder, False, timeout=300)
-        loaded = run_ranks(_one_big_tensor, 2, folder, True, timeout=300)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    saved, loaded = _run_then_resume(_one_big_tensor, timeout=300)
     for s, r in zip(saved, loaded):
         assert torch.equal(s["weight"], r["weight"])
         assert r["largest_file"] > max(r["shard_bytes"], checkpoint_io._READ_WHOLE_MAX)
