@@ -11,14 +11,14 @@ is the directory swapped in for ``path``: an interrupted save (a full disk, a ki
 the previous checkpoint intact and loadable.
 
 ``load_checkpoint`` checks the checkpoint against the manifest: every file present with its size
-first, then each file's sha256 as it reads it (a thread hashes the file from start to end while
-DCP parses its items; the file is checked when DCP closes it, and a parse that failed on a damaged
-file is reported as the damage), and nothing becomes the model's until every rank read everything
-and every file it read was intact: offloaded values are written to their stores' free slots,
-committed at the end (``offload/incoming.py``); the values it loads into memory wait in buffers
-until then. No file is held whole: a load holds the item DCP parses and the one being written.
-A load that cannot hold its in-memory values twice hashes every file first (the ranks share the
-hashing) and reads them again to load them. Either way a missing, truncated or
+first, then each file's sha256 as it reads it (a file up to ``_READ_WHOLE_MAX`` read whole into
+memory, hashed on the way, checked before DCP parses it; a larger one hashed on a thread while DCP
+parses its items and checked when DCP closes it, a parse that failed on it reported as the
+damage), and nothing becomes the model's until every rank read everything and every file it read
+was intact: offloaded values are written to their stores' free slots, committed at the end
+(``offload/incoming.py``); the values it loads into memory wait in buffers until then. A load
+that cannot hold its in-memory values twice hashes every file first (the ranks share the hashing)
+and reads them again to load them. Either way a missing, truncated or
 modified file, or one copied in from another save, raises ``CheckpointCorruptError`` naming the
 file on every rank, never a model with wrong values. A checkpoint without a manifest loads only
 with ``verify=False``. It reads back at any world size (DCP reshards), and reads DCP's metadata
