@@ -34,15 +34,15 @@ import torch  # noqa: E402
 from bench.compression import MODELS, batch, corpus  # noqa: E402
 from bench.models import PRESETS, build_model, lm_loss  # noqa: E402
 from zero3_compile.collectives import quantize  # noqa: E402
+from zero3_compile.sharding.spec import spec_of_shape  # noqa: E402
 
 
 def rows_of(grad: torch.Tensor, world: int) -> torch.Tensor:
     """(world, shard numel): rank r's dim-0 shard of ``grad``, zero-padded as shards are."""
-    dim0 = grad.shape[0] if grad.dim() else 1
-    per = -(-dim0 // world)
-    flat = grad.reshape(dim0, -1)
-    flat = torch.nn.functional.pad(flat, (0, 0, 0, per * world - dim0))
-    return flat.reshape(world, -1)
+    spec = spec_of_shape(grad.shape if grad.dim() else (1,), world)
+    padded = grad.new_zeros(spec.gathered_shape())
+    padded[: spec.dim0] = grad.reshape(spec.shape)
+    return padded.reshape(world, spec.padded_numel)
 
 
 def rounded(rows: torch.Tensor, bits: int, block: int) -> torch.Tensor:

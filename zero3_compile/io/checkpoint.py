@@ -956,12 +956,16 @@ class _VerifyingFileSystem(FileSystem):
             self.pool.shutdown(wait=True)
         self.ahead, self.pool = {}, None
 
-    def _problem(self, name: str, want: dict[str, Any], read: Future) -> str | None:
+    def _check(self, name: str, want: dict[str, Any], read: Future, cause=None) -> None:
+        """Raise ``CheckpointCorruptError`` if the file ``read`` hashed is not as saved."""
         try:
             size, digest, _ = read.result()
         except OSError as error:
-            return f"is unreadable ({type(error).__name__}: {error})"
-        return _content_problem(self.root, name, want, self.manifest["save_id"], size, digest)
+            reason = f"is unreadable ({type(error).__name__}: {error})"
+        else:
+            reason = _content_problem(self.root, name, want, self.manifest["save_id"], size, digest)
+        if reason is not None:
+            raise _corrupt(self.root, [(name, reason)]) from cause
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -979,22 +983,16 @@ class _VerifyingFileSystem(FileSystem):
         if self.pool is not None:
             self._top_up()
         if want["size"] <= _READ_WHOLE_MAX:  # read whole: checked before anything parses it
-            reason = self._problem(name, want, read)
-            if reason is not None:
-                raise _corrupt(self.root, [(name, reason)])
+            self._check(name, want, read)
             yield _MemoryFile(read.result()[2])
             return
         try:
             with super().create_stream(path, mode) as stream:
                 yield stream
         except Exception as error:  # what a damaged file does to the parse: named as the damage
-            reason = self._problem(name, want, read)
-            if reason is not None:
-                raise _corrupt(self.root, [(name, reason)]) from error
+            self._check(name, want, read, cause=error)
             raise
-        reason = self._problem(name, want, read)
-        if reason is not None:
-            raise _corrupt(self.root, [(name, reason)])
+        self._check(name, want, read)
 
 
 class _MemoryFile(io.RawIOBase):
