@@ -3,7 +3,10 @@
     torchrun --standalone --nproc-per-node 2 examples/demo.py [--codegen eager] [--steps 8]
 
 Prints the loss of every step and, per rank, the bytes of parameters, gradients and AdamW state
-against the unsharded model, and the collectives one training step issues.
+against the unsharded model, and the collectives one training step issues. On gloo (CPU) a
+gradient reduction shows as ``all_reduce_sum``: gloo has no reduce-scatter of its own, so zero3
+all-reduces the bucket in place and keeps this rank's rows (same bytes); on NCCL it is a
+``reduce_scatter``. Runs from a clone with ``pip install -e .`` (no test code needed).
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import zero3_compile as z3
+from zero3_compile.compiler.signature import collective_signature
 
-import zero3_compile as z3  # noqa: E402
-from tests.models import GPT, GPTConfig  # noqa: E402
-from zero3_compile.compiler.recording import record_graphs  # noqa: E402
-from zero3_compile.compiler.signature import collective_signature  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: gpt_model.py
+from gpt_model import GPT, GPTConfig  # noqa: E402
 
 
 def local_bytes(tensors) -> int:
@@ -60,7 +62,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"GPT {full_params / 1e6:.2f}M parameters, {world} ranks, codegen={args.codegen}")
-    with record_graphs() as graphs:
+    with z3.record_graphs() as graphs:
         for step in range(args.steps):
             begin = time.perf_counter()
             logits = step_model(inputs)

@@ -13,6 +13,8 @@ one process on the whole batch and prints how far the two are apart after each s
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -133,11 +135,32 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+PP, TP = 2, 2  # the data-parallel degree is what the world size leaves: world // (PP * TP)
+
+
+def check_world_size() -> None:
+    """Stop before any process group starts unless the ranks fill (pp 2, dp, tp 2)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (PP * TP) == 0:
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"parallel_3d.py needs a multiple of {PP * TP} ranks (pipeline {PP} x tensor {TP} x "
+            f"data-parallel dp), got {world}. Run it as\n"
+            "    torchrun --standalone --nproc-per-node 4 examples/parallel_3d.py   # dp 1\n"
+            "    torchrun --standalone --nproc-per-node 8 examples/parallel_3d.py   # dp 2",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.exit(2)
+
+
 def main() -> None:
+    check_world_size()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    pp, tp = 2, 2
+    pp, tp = PP, TP
     dp = world // (pp * tp)
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()

@@ -13,7 +13,7 @@ shards, and each rank's step counter, LR scheduler state, data position and RNG 
 Python ``random``, CUDA when available), all sealed by one manifest of sha256 checksums and swapped
 in atomically, so a step directory either is complete or does not exist. The last ``--keep`` are
 kept. At start the job resumes from the newest checkpoint there; one whose files do not match
-their checksums is refused (``CheckpointCorruptError`` names the file) and the one before it is
+their checksums is refused (``z3.CheckpointCorruptError`` names the file) and the one before it is
 used. When a rank dies, torchrun (``--max-restarts``) restarts every rank, they resume from the
 newest checkpoint and replay the steps since: the same losses and bit-identical parameters as a
 run that never failed (the stream is a function of ``--seed`` and the data position, the
@@ -75,12 +75,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import zero3_compile as z3
+from zero3_compile.runtime.guard import roll_call
 
-import zero3_compile as z3  # noqa: E402
-from tests.models import GPT, GPTConfig  # noqa: E402
-from zero3_compile.io.checkpoint import CheckpointCorruptError, load_rank_state  # noqa: E402
-from zero3_compile.runtime.guard import roll_call  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: gpt_model.py
+from gpt_model import GPT, GPTConfig  # noqa: E402
 
 ROLL_CALL_S = 3.0
 SIZES = {
@@ -206,12 +205,12 @@ def resume(args, model, opt, sched, rank: int, world: int) -> tuple[int, int]:
     for _, path in checkpoints(args.checkpoint_dir):
         try:
             state = z3.load_checkpoint(path, model, opt)
-        except CheckpointCorruptError as error:  # raised on every rank alike
+        except z3.CheckpointCorruptError as error:  # raised on every rank alike
             if rank == 0:
                 print(f"refusing {path}: {error}\n(trying the one before)", flush=True)
             continue
         if state is None:  # saved at another world size: shared state from rank 0, fresh RNGs
-            state = load_rank_state(path, 0)
+            state = z3.load_rank_state(path, 0)
             torch.manual_seed(args.seed + 1 + rank + 1_000_003 * state["step"])
             random.seed(args.seed + 1 + rank + 1_000_003 * state["step"])
         else:
