@@ -18,70 +18,90 @@ def _number(value) -> bool:
 
 @dataclass(frozen=True)
 class Options:
-    """Everything a user can tune. Defaults are what we measured to be best on CPU (no GPU has
-    been measured yet; bench/gpu.py is ready for one).
+    """The backend's options: ``torch.compile(model, backend="zero3", options={...})``.
 
-    codegen: "inductor" (default) or "eager" (run the scheduled FX graphs as they are:
-        exact numerics, fast compiles, for debugging).
-    bucket_mb: size cap of one all-gather / reduce-scatter bucket, in MiB of the
-        communicated dtype. Parameters of one block are bucketed together up to this cap.
-        5 measured best of 2/5/25/100 on a 25M-parameter GPT (bench/RESULTS.md): the same
-        step time as 25, with one prefetched bucket less held (peak equal to FSDP2's).
-    prefetch_depth: how many all-gathers may be issued ahead of the one being waited on
-        (0: gather right before use, no overlap).
-    max_inflight_bytes: optional cap on the bytes of gathers issued but not yet used; the
-        first gather ahead is always allowed.
-    reduce_scatter_depth: how many reduce-scatters may be in flight before the oldest is
-        waited on (each one keeps its full-size gradient bucket alive).
-    reload_depth: for offloaded parameters (``shard(offload=...)``), how many buckets ahead of
-        the all-gather being prepared their shards' reads are issued (0: right before it).
-    reshard_after_forward: False keeps the parameters gathered in forward alive for backward
-        (ZeRO-2-like: more memory, one all-gather less per step).
-    fused_copies: True splices the collectives' copy-in/copy-out into the graphs as ATen ops,
-        which Inductor fuses into kernels specialised to each bucket's sizes: faster steps
-        (about 6% on a 25M-parameter GPT on 2 CPU ranks), slower cold compiles (about 1.8x;
-        on CPU each kernel is a compiler run). False (default): four fixed operations
-        (``zero3::gather_copy_in`` and the others) that Inductor calls as they are.
-    serial_collectives: "auto" (default) waits each collective of a gloo process group before
-        the next one is issued, so one is in flight at a time (compute still overlaps it): torch's
-        gloo corrupts the heap with several in flight (``bench/repros/gloo_reduce_scatter_race.py``).
-        True serializes every group's collectives, False none (gloo then is not safe).
-    cross_graph_prefetch: True issues the next compiled graph's first all-gather in this graph's
-        tail, as learnt from the previous step (``collectives/handoff.py``): what a model compiled
-        block by block (``block.compile``) needs to overlap its blocks' first gathers. Off by
-        default while it is new.
-    sync_timeout_s: how long a rank waits for the others at the cross-rank check before each
-        compiled graph runs, before raising an error naming the missing ranks instead of
-        hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
-    verify: check the scheduled graphs' invariants after every pass.
-    dump_dir: write every graph before and after every pass, and the reports, here.
-    memory_budget_mb: per-rank memory a training step may use at its peak (persistent state
-        included, see ``planner.py``); the planner keeps parameters gathered from forward to
-        backward within it, saving their backward all-gathers. None: pure ZeRO-3. "auto" (CUDA):
-        the device's free memory at compile time.
-    optimizer_states: tensors of optimizer state per trainable parameter the budget accounts
-        for (2 for Adam/AdamW, 1 for SGD with momentum, 0 when it is offloaded).
-    weight_quantization: "int8" sends the forward's all-gathers as blockwise int8 and their
-        float32 scales (ZeRO++'s qwZ: about a quarter of fp32's bytes, half of bf16's); the
-        backward's re-gathers stay in full precision. None (default): off.
-    gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
-        exchanged with one all-to-all and summed in the reduction dtype by their owner, its own
-        row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding within the
-        row, then across the replicas as a quantized all-to-all of chunks and an all-gather of
-        their quantized sums (the replicas' shards stay identical). A shard group across nodes
-        (k ranks each: ``secondary_shard``'s count, else torchrun's ``LOCAL_WORLD_SIZE``) sums
-        each bucket exactly within the node first, and only the nodes' sums of each rank's rows
-        cross nodes, quantized: 1/k of the flat exchange's bytes between nodes, the rounding
-        error about the flat one's. Rounding is stochastic (unbiased). None (default): off.
-    quantization_block: elements per float32 scale of both (a multiple of 8; default 256); each
-        parameter's part of a bucket starts a new block.
-    secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
-        gathered parameter, this node's share of it (1/k of it on each of a node's k ranks,
-        held until backward), and the backward re-gathers it from the node's ranks only, never
-        across nodes. "node" takes k from torchrun's ``LOCAL_WORLD_SIZE``. Exact (the same
-        values, bit for bit); with ``weight_quantization`` the kept values are the forward's
-        dequantized ones. The memory budget and ``explain`` count the kept shares. None
-        (default): off.
+    ``options`` is a dict of these fields (or an ``Options``). An unknown key is an error that
+    lists the valid ones, a wrong type or value an error naming the option;
+    ``torch.compile(..., mode=...)`` is passed on to Inductor. Defaults are what was measured
+    best on CPU (no GPU has been measured yet; ``bench/gpu.py`` is ready for one). The docs'
+    options table is generated from this class.
+
+    Example:
+        ```python
+        step_model = torch.compile(
+            model, backend="zero3", options={"codegen": "eager", "bucket_mb": 25}
+        )
+        ```
+
+    Attributes:
+        codegen: "inductor" (default) or "eager" (run the scheduled FX graphs as they are:
+            exact numerics, fast compiles, for debugging).
+        bucket_mb: size cap of one all-gather / reduce-scatter bucket, in MiB of the
+            communicated dtype. Parameters of one block are bucketed together up to this cap.
+            5 measured best of 2/5/25/100 on a 25M-parameter GPT (bench/RESULTS.md): the same
+            step time as 25, with one prefetched bucket less held (peak equal to FSDP2's).
+        prefetch_depth: how many all-gathers may be issued ahead of the one being waited on
+            (0: gather right before use, no overlap).
+        max_inflight_bytes: optional cap on the bytes of gathers issued but not yet used; the
+            first gather ahead is always allowed.
+        reduce_scatter_depth: how many reduce-scatters may be in flight before the oldest is
+            waited on (each one keeps its full-size gradient bucket alive).
+        reload_depth: for offloaded parameters (``shard(offload=...)``), how many buckets ahead
+            of the all-gather being prepared their shards' reads are issued (0: right before it).
+        reshard_after_forward: False keeps the parameters gathered in forward alive for
+            backward (ZeRO-2-like: more memory, one all-gather less per step; the memory
+            budget's upper end).
+        fused_copies: True splices the collectives' copy-in/copy-out into the graphs as ATen
+            ops, which Inductor fuses into kernels specialised to each bucket's sizes: faster
+            steps (about 6% on a 25M-parameter GPT on 2 CPU ranks), slower cold compiles (about
+            1.8x; on CPU each kernel is a compiler run). False (default): four fixed operations
+            (``zero3::gather_copy_in`` and the others) that Inductor calls as they are.
+        serial_collectives: "auto" (default) waits each collective of a gloo process group
+            before the next one is issued, so one is in flight at a time (compute still overlaps
+            it): torch's gloo corrupts the heap with several in flight
+            (``bench/repros/gloo_reduce_scatter_race.py``). True serializes every group's
+            collectives, False none (gloo then is not safe).
+        cross_graph_prefetch: True issues the next compiled graph's first all-gather in this
+            graph's tail, as learnt from the previous step (``collectives/handoff.py``), used
+            only if the next graph asks for exactly those shards, unwritten since: what a model
+            compiled block by block (``block.compile``) needs to overlap its blocks' first
+            gathers. Exact (bit-identical losses). Off by default while it is new.
+        sync_timeout_s: how long a rank waits for the others at the cross-rank check before
+            each compiled graph runs, before raising an error naming the missing ranks instead
+            of hanging (default: the ``sync_timeout_s`` given to ``shard()``, 600 s).
+        verify: check the scheduled graphs' invariants after every pass.
+        dump_dir: write every graph before and after every pass, and the reports, here (also
+            the ``ZERO3_DUMP_DIR`` environment variable).
+        memory_budget_mb: per-rank memory a training step may use at its peak (persistent state
+            included, see ``planner.py``); the planner keeps parameters gathered from forward to
+            backward within it, saving their backward all-gathers. None: pure ZeRO-3. "auto"
+            (CUDA): the device's free memory at compile time. A budget below the least a step
+            needs is an error stating that least.
+        optimizer_states: tensors of optimizer state per trainable parameter the budget accounts
+            for (2 for Adam/AdamW, 1 for SGD with momentum, 0 when it is offloaded).
+        weight_quantization: "int8" sends the forward's all-gathers as blockwise int8 and their
+            float32 scales (ZeRO++'s qwZ: about a quarter of fp32's bytes, half of bf16's); the
+            backward's re-gathers stay in full precision. None (default): off.
+        gradient_quantization: "int8" or "int4" reduces gradients as blockwise-quantized rows
+            exchanged with one all-to-all and summed in the reduction dtype by their owner, its
+            own row exact (ZeRO++'s qgZ), instead of a reduce-scatter; with hybrid sharding
+            within the row, then across the replicas as a quantized all-to-all of chunks and an
+            all-gather of their quantized sums (the replicas' shards stay identical). A shard
+            group across nodes (k ranks each: ``secondary_shard``'s count, else torchrun's
+            ``LOCAL_WORLD_SIZE``) sums each bucket exactly within the node first, and only the
+            nodes' sums of each rank's rows cross nodes, quantized: 1/k of the flat exchange's
+            bytes between nodes, the rounding error about the flat one's. Rounding is stochastic
+            (unbiased). Measured (600 steps, clipped gradients, 2 and 4 ranks): int8 within
+            0.44%, int4 within 0.89% of the uncompressed held-out loss. None (default): off.
+        quantization_block: elements per float32 scale of both (a multiple of 8; default 256);
+            each parameter's part of a bucket starts a new block.
+        secondary_shard: "node" or a count of ranks (ZeRO++'s hpZ): the forward keeps, of each
+            gathered parameter, this node's share of it (1/k of it on each of a node's k ranks,
+            held until backward), and the backward re-gathers it from the node's ranks only,
+            never across nodes. "node" takes k from torchrun's ``LOCAL_WORLD_SIZE``. Exact (the
+            same values, bit for bit); with ``weight_quantization`` the kept values are the
+            forward's dequantized ones. The memory budget and ``explain`` count the kept shares.
+            None (default): off.
     """
 
     codegen: str = "inductor"
