@@ -23,7 +23,8 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
 
     **Invariant** before: ``reduce_grad`` markers carry ``meta[BUCKET]`` in readiness order
     (``assign_buckets``). After: no marker is left; bucket ``j``'s copy-in and reduce-scatter sit
-    right after the last of its gradients is computed; its wait and copy-out (slice this rank's
+    right after the last of its gradients is computed, or right after bucket ``j - 1``'s issue
+    if that comes later (buckets are issued in index order); its wait and copy-out (slice this rank's
     rows, divide by the world size, cast to the shard dtype) sit right before bucket
     ``j + reduce_scatter_depth`` is issued, or before the output for the last buckets, so at most
     ``reduce_scatter_depth`` full-size gradient buckets are in flight. A scheme of several stages
@@ -73,6 +74,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
     if not buckets:
         return
     issued: list[_Issued] = []
+    previous: fx.Node | None = None  # the last node of the previous bucket's issue
     for index in sorted(buckets):
         order = node_order(graph)
         members = sorted(buckets[index], key=order.__getitem__)
@@ -103,10 +105,16 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
                     shards = scheme.copy_out(emit, [call.grad], [call.spec], [call.shard_shape])
                 _replace([marker], shards, graph)
             continue
-        last_grad = max((c.grad for c in calls), key=order.__getitem__)
-        with graph.inserting_before(last_grad.next):
+        # issued after its last gradient and after the previous bucket: buckets whose last
+        # gradient is one node (one gradient computed for two blocks' parameters) would
+        # otherwise be issued in reverse order, and the waits below assume index order
+        anchor = max((c.grad for c in calls), key=order.__getitem__)
+        if previous is not None and order[previous] > order[anchor]:
+            anchor = previous
+        with graph.inserting_before(anchor.next):
             payloads = scheme.copy_in(emit, [c.grad for c in calls], specs)
             works = scheme.issue(emit, 0, payloads, specs)
+        previous = emit.created[-1]
         issued.append(_Issued(members, calls, scheme, emit, emit.created[0], works))
 
     depth = ctx.options.reduce_scatter_depth

@@ -1,0 +1,89 @@
+"""Model structures that once failed, each trained sharded against single-process eager
+(2 gloo ranks, eager codegen, all in one process launch): losses, gradients and final parameters.
+
+Each scenario is named after what broke; the docstring of its model says what it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+
+from .dist_utils import run_scenarios
+from .structure_runner import Training, train_and_compare
+
+EAGER = {"codegen": "eager"}
+
+
+def _batch(step: int, micro: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return (torch.randn(3, 4, generator=g),), torch.randn(3, 4, generator=g)
+
+
+def _mse(out, target):
+    return (out - target).square().mean()
+
+
+class SummedListBranches(nn.Module):
+    """Issue 61 item 1: two Linears of one ModuleList, fed the same input and summed. Their
+    gradients are the same graph nodes (autograd's CSE), but the branches are two blocks, so two
+    reduce buckets shared one "last gradient" and were issued in reverse index order: a bucket's
+    wait landed before its reduce-scatter ("used before it has been defined")."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.branches[0](x) + self.branches[1](x)
+
+
+class SummedAttributes(nn.Module):
+    """The same bug through two plain attributes: with one parameter per bucket (tiny
+    ``bucket_mb``) the two weights' buckets share their last gradient too."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+SCENARIOS = {
+    "summed_list_branches": (SummedListBranches, Training(EAGER)),
+    "summed_list_branches_deep_reduce": (
+        SummedListBranches,
+        Training({**EAGER, "reduce_scatter_depth": 2, "bucket_mb": 0.00001}),
+    ),
+    "summed_attributes_one_param_per_bucket": (
+        SummedAttributes,
+        Training({**EAGER, "bucket_mb": 0.00001}),
+    ),
+}
+
+
+def _run(rank, world, name):
+    torch._dynamo.reset()
+    make_model, training = SCENARIOS[name]
+    torch.manual_seed(0)
+    try:
+        return train_and_compare(rank, world, make_model(), _mse, _batch, training)
+    except Exception:  # every rank raises alike here: report it, run the next scenario
+        return [f"raised: {traceback.format_exc(limit=-6)}"]
+
+
+@functools.cache
+def _results():
+    return run_scenarios(_run, 2, [(name,) for name in SCENARIOS])
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_structure_trains_like_eager(name):
+    for rank, problems in enumerate(_results()[(name,)]):
+        assert problems == [], f"rank {rank}: {problems}"
