@@ -47,6 +47,8 @@ class Zero3Runtime:
         self.grad_spool = None  # offload.grads.GradSpool, when gradient shards are offloaded
         self.leaves: list[weakref.ref] = []  # leaf modules (set_leaf_modules)
         self.pending_loads: list = []  # offloaded shards loaded by a running load_state_dict
+        # shard(sync_module_states=): materialize() broadcasts the first rank's values too
+        self.sync_module_states = True
         self.timeout_s = float(timeout_s)
         # graphs a zero3 backend compiled reading this model's parameters (explain compiles
         # through the model's own backend only while it is 0: see tools/inspect/explain.py)
