@@ -115,7 +115,8 @@ def _make_getter(attr: str, state: ShardedParam):
 
     Inside a leaf module's forward the full parameter was gathered with the whole block; while
     gradient sync is off the full gradient goes to the parameter's sink instead of a collective,
-    or the parameter kept gathered is read (``keep_gathered``, accumulation.py); inside
+    or the parameter kept gathered is read (``keep_gathered``, accumulation.py), detached while
+    the parameter does not require grad (it gets no gradient from that micro-batch); inside
     ``z3.gathered`` the parameter gathered for it; while a loader works on the shards
     (``ShardState.LOADING``), the sharded parameter itself.
     Eager reads return a ``GatheredParameter`` that writes in-place changes back to the shard,
@@ -141,12 +142,15 @@ def _make_getter(attr: str, state: ShardedParam):
         "    if mode is not SHARDED:\n"
         "        if mode is KEPT_GATHERED:\n"
         "            kept = param_state.kept_full\n"
+        f"            if not self._parameters[{attr!r}].requires_grad:\n"
+        "                kept = kept.detach()\n"
         f"            return {tp(kept_expr)}\n"
         "        if mode is GATHERED:\n"
         f"            return {tp('param_state.kept_full')}\n"
         "        if mode is LOADING:\n"
         f"            return self._parameters[{attr!r}]\n"
-        "        sink = param_state.grad_sink\n"
+        f"        if self._parameters[{attr!r}].requires_grad:\n"
+        "            sink = param_state.grad_sink\n"
         "    if is_compiling():\n"
         f"        shard = self._parameters[{attr!r}].to_local()\n"
         f"        full = unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
