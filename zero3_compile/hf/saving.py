@@ -7,6 +7,11 @@ tied parameters once (under the name the model's ``_tied_weights_keys`` keep), t
 layout restored where transformers converted it on load (``revert_weight_conversion``: MoE
 experts stacked on load are written as the checkpoint had them).
 
+A ``PeftModel`` is written as peft writes it (``adapter_config.json``,
+``adapter_model.safetensors``: ``peft.py``), or with ``merge_adapters=True`` as the plain model
+with its LoRA adapters merged, under the base model's names, each merged weight computed when its
+file is written.
+
 Every rank calls it. Files are planned from the parameters' shapes (greedy in name order, at most
 ``max_shard_size`` each, as ``split_torch_state_dict_into_shards``); for each file the ranks
 gather its tensors (one collective each, the same order everywhere), rank 0 writes the file and
@@ -18,6 +23,7 @@ hang; files are written under a temporary name and renamed, so a reader never se
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import replace
@@ -45,12 +51,42 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     state_dict: dict[str, torch.Tensor] | None = None,
     save_original_format: bool = True,
+    merge_adapters: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[str]:
-    """Write ``model`` (sharded) as a Hugging Face folder; returns the files rank 0 wrote."""
+    """Write ``model`` (sharded) as a Hugging Face folder; returns the files rank 0 wrote.
+
+    A peft model: its adapters (``adapter_config.json``, ``adapter_model.safetensors``), or with
+    ``merge_adapters=True`` the merged model as a plain folder (what ``merge_and_unload()``
+    followed by ``save_pretrained`` writes).
+
+    ```python
+    z3hf.save_pretrained(model, "out")                            # every rank calls it
+    z3hf.save_pretrained(peft_model, "merged", merge_adapters=True)
+    ```
+    """
     from transformers.modeling_utils import _get_tied_weight_keys
 
+    from .peft import is_peft_model, merged_entries, save_adapter
+
     save_directory = os.fspath(save_directory)
+    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: the model it holds
+    merged = None
+    if is_peft_model(model):
+        if not merge_adapters:
+            if state_dict is not None:
+                raise ValueError(
+                    "zero3: save_pretrained(peft_model, state_dict=...) is not supported; the "
+                    "adapter weights are gathered from the model"
+                )
+            save_adapter(model, save_directory, timeout_s=timeout_s)
+            return [os.path.join(save_directory, "adapter_model.safetensors")]
+        model, merged = merged_entries(model)
+    elif merge_adapters:
+        raise ValueError(
+            "zero3: save_pretrained(..., merge_adapters=True) needs a peft model (PeftModel); "
+            "this one has no adapters to merge"
+        )
     rank = dist.get_rank()
     agreement = Agreement("zero3_compile.hf.save_pretrained", timeout_s=timeout_s)
     written: list[str] = []
@@ -59,7 +95,10 @@ def save_pretrained(
             os.makedirs(save_directory, exist_ok=True)
             _save_configs(model, save_directory)
         agreement.meet("writing the configuration")
-        tensors = _entries(model) if state_dict is None else dict(state_dict)
+        if merged is not None:
+            tensors = merged
+        else:
+            tensors = _entries(model) if state_dict is None else dict(state_dict)
         tensors = _without_tied(tensors, _get_tied_weight_keys(model))
         keys = sorted(tensors, key=_natural)
         files = _plan(keys, tensors, _bytes(max_shard_size))
@@ -68,7 +107,7 @@ def save_pretrained(
         for name, file_keys in zip(names, files):
             shard_state = {}
             for key in file_keys:
-                full = _full(tensors[key])
+                full = full_tensor(tensors[key])
                 if rank == 0:
                     shard_state[key] = full.detach().contiguous().cpu()
                 del full
@@ -142,6 +181,8 @@ def _natural(key: str):
 
 
 def _nbytes(value) -> int:
+    if hasattr(value, "nbytes") and callable(value.nbytes):  # peft.MergedWeight
+        return value.nbytes()
     if isinstance(value, ShardedParam):
         return value.spec.full_numel * value.local().element_size()
     return value.numel() * value.element_size()
@@ -161,7 +202,9 @@ def _plan(keys: list[str], tensors: dict, limit: int) -> list[list[str]]:
 
 
 def _numel(value) -> int:
-    return value.spec.full_numel if isinstance(value, ShardedParam) else value.numel()
+    if isinstance(value, ShardedParam):
+        return value.spec.full_numel
+    return math.prod(value.shape)
 
 
 def _file_names(count: int) -> list[str]:
@@ -180,9 +223,11 @@ def _bytes(size: int | str) -> int:
 
 
 @torch.no_grad()
-def _full(value) -> torch.Tensor:
+def full_tensor(value) -> torch.Tensor:
     """The whole tensor (a collective for a sharded one: every rank calls it, in key order), in
     the parameter's own dtype (fp32 master weights stay fp32 whatever the compute dtype)."""
+    if hasattr(value, "full") and callable(value.full):  # peft.MergedWeight
+        return value.full()
     if isinstance(value, ShardedParam):
         exact = replace(value.spec, param_dtype=None).literal()
         with value.root.active():
@@ -229,8 +274,9 @@ def _finish(model, folder: str, names: list[str], weight_map: dict, tensors: dic
         return
     total_size = sum(_nbytes(v) for v in tensors.values())
     total_parameters = sum(
-        _numel(v) for v in tensors.values() if isinstance(v, (ShardedParam, nn.Parameter))
-    )
+        _numel(v) for v in tensors.values() if not isinstance(v, torch.Tensor) or
+        isinstance(v, nn.Parameter)
+    )  # fmt: skip
     index = {
         "metadata": {"total_parameters": total_parameters, "total_size": total_size},
         "weight_map": dict(sorted(weight_map.items())),
