@@ -288,9 +288,28 @@ def local_shard(dtensor) -> torch.Tensor:
     """``dtensor.to_local()`` (no ``grad_placements``) whose backward gives no gradient where
     none came, on every supported torch (``to_local_keeps_missing_gradients``). In a graph
     dynamo traces, the method call itself (``rewrite_to_local`` swaps it before AOTAutograd)."""
-    if to_local_keeps_missing_gradients() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return dtensor.to_local()
+    if to_local_keeps_missing_gradients():
+        # DTensor's own: an offloaded shard's to_local() hands users its store's values
+        # (offload/access.py); here it is the shard's tensor itself
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.to_local(dtensor)
     return _local_shard_function().apply(dtensor)
+
+
+def allow_foreach(cls: type) -> None:
+    """Let optimizers and ``clip_grad_norm_`` take their foreach paths over ``cls`` (a DTensor
+    subclass) as over DTensor: the lists DTensor adds itself to (private
+    ``torch.optim.optimizer._foreach_supported_types`` and ``torch.utils._foreach_utils``'s;
+    no public registration), 2.11-2.14."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if cls not in supported:
+            supported.append(cls)
 
 
 def rewrite_to_local(gm, cache_key: str) -> bool:
