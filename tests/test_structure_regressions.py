@@ -55,25 +55,55 @@ class SummedAttributes(nn.Module):
         return self.a(x) + self.b(x)
 
 
+class NoGradModuleBesideUnusedOutput(nn.Module):
+    """Found by the structure fuzzer: ``m0`` is read under ``no_grad`` only, and a second output
+    the loss ignores makes the graph gate its parameters' gradients (``runtime/gate.py``). The
+    gate materialised the missing gradient of ``m0.weight`` as plain zeros: ``.grad`` became a
+    plain tensor (eager: None) and ``optimizer.step()`` failed on mixing it with the DTensor
+    parameter (SGD's weight decay or momentum would have moved a parameter eager leaves alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.m0 = nn.Linear(4, 4, bias=False)
+        self.m1 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h1 = self.m1(x)
+        with torch.no_grad():
+            h2 = self.m0(x)
+        return h2 + self.m1.bias, h1
+
+
+def _first_output_mse(out, target):
+    return (out[0] - target).square().mean()
+
+
 SCENARIOS = {
-    "summed_list_branches": (SummedListBranches, Training(EAGER)),
+    "summed_list_branches": (SummedListBranches, _mse, Training(EAGER)),
     "summed_list_branches_deep_reduce": (
         SummedListBranches,
+        _mse,
         Training({**EAGER, "reduce_scatter_depth": 2, "bucket_mb": 0.00001}),
     ),
     "summed_attributes_one_param_per_bucket": (
         SummedAttributes,
+        _mse,
         Training({**EAGER, "bucket_mb": 0.00001}),
+    ),
+    "no_grad_module_beside_unused_output": (
+        NoGradModuleBesideUnusedOutput,
+        _first_output_mse,
+        Training(EAGER),
     ),
 }
 
 
 def _run(rank, world, name):
     torch._dynamo.reset()
-    make_model, training = SCENARIOS[name]
+    make_model, loss_fn, training = SCENARIOS[name]
     torch.manual_seed(0)
     try:
-        return train_and_compare(rank, world, make_model(), _mse, _batch, training)
+        return train_and_compare(rank, world, make_model(), loss_fn, _batch, training)
     except Exception:  # every rank raises alike here: report it, run the next scenario
         return [f"raised: {traceback.format_exc(limit=-6)}"]
 

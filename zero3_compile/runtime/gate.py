@@ -97,11 +97,16 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, call: CallState, k: int):
         ctx.call, ctx.k = call, k
+        # a parameter the graph computes no gradient for (read under no_grad only) must stay
+        # without one: materialised, its missing gradient would arrive as plain zeros
+        ctx.set_materialize_grads(False)
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
-        return (None if ctx.call.is_absent(ctx.k) else grad), None, None
+        if grad is None or ctx.call.is_absent(ctx.k):
+            return None, None, None
+        return grad, None, None
 
 
 class GatedCall:
