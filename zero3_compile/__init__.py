@@ -32,7 +32,7 @@ from .io.checkpoint import (
 )
 from .io.materialize import materialize
 from .io.state_dict import full_state_dict, load_full_state_dict, save_full_state_dict
-from .offload import Offload, OffloadError, offload_optimizer
+from .offload import Offload, OffloadError, offload_optimizer, offload_states, reload_states
 from .runtime.guard import CollectiveMismatchError
 from .tools.estimate import estimate_memory
 from .tools.inspect import explain
@@ -58,7 +58,9 @@ __all__ = [
     "load_rank_state",
     "materialize",
     "offload_optimizer",
+    "offload_states",
     "record_graphs",
+    "reload_states",
     "save_checkpoint",
     "save_full_state_dict",
     "set_leaf_modules",

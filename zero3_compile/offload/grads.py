@@ -529,7 +529,21 @@ def spool_gradients(root, states: list, offload, device: torch.device) -> None:
     root.grad_spool = open_spool(root, offload, device)
     for state in states:
         register(state)
-        state.param.register_post_accumulate_grad_hook(_spool_accumulated(state))
+        _hook(state.param, _spool_accumulated(state))
+
+
+def _hook(param, hook) -> None:
+    """``hook`` after each accumulation into ``param.grad``, also for a frozen parameter (a LoRA
+    base) that training unfreezes later: torch refuses to register the hook while the parameter
+    requires no gradient, but keeps it and runs it once the parameter requires one."""
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_post_accumulate_grad_hook(hook)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
 
 
 def spooled(param) -> SpooledGrad | None:

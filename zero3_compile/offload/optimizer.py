@@ -29,6 +29,7 @@ what it loaded; ``zero3_compile.save_checkpoint`` / ``load_checkpoint`` (DCP) go
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..sharding.state import state_of
+from .access import make_offloaded
 from .deferred import StoredTensor, reads_deferred
 from .grads import spooled, with_local
 from .incoming import IncomingTensor, incoming, loads_incoming
@@ -130,6 +132,7 @@ def offload_optimizer(
     optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
     if any(optimizer.state.values()):  # state that exists already goes to the store now
         offloaded.store_all()
+        offloaded.mark_states()
     return optimizer
 
 
@@ -140,9 +143,12 @@ def _step(self, closure=None):
             "compute the loss and call backward() before step()"
         )
     offloaded = self._zero3_offload
-    if offloaded.in_backward is not None:
-        return offloaded.in_backward.step()
-    return offloaded.step()
+    try:
+        if offloaded.in_backward is not None:
+            return offloaded.in_backward.step()
+        return offloaded.step()
+    finally:
+        offloaded.mark_states()
 
 
 def _state_dict(self):
@@ -150,7 +156,10 @@ def _state_dict(self):
 
 
 def _load_state_dict(self, state_dict):
-    return self._zero3_offload.load_state_dict(state_dict)
+    try:
+        return self._zero3_offload.load_state_dict(state_dict)
+    finally:
+        self._zero3_offload.mark_states()
 
 
 # optimizers whose update of an element reads only that element's gradient and state (and
@@ -271,6 +280,15 @@ class _OptimizerOffload:
         self.in_backward = None  # in_backward.InBackward, with offload_optimizer(in_backward=True)
 
     # ------------------------------------------------------------------ tensors of a param
+
+    def mark_states(self) -> None:
+        """Every state tensor with a store region read and written through it while evicted
+        (``access.OffloadedDTensor``: ``optimizer.state[p]["exp_avg"].full_tensor()``...)."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    if isinstance(value, DTensor) and (id(param), key) in self.regions:
+                        make_offloaded(value, _StateValues(self, param, key, value._local_tensor))
 
     def _offloadable(self, param) -> dict[str, torch.Tensor]:
         """The param's state tensors that go to the store, as local (per-rank) tensors."""
@@ -768,6 +786,59 @@ class _OptimizerOffload:
             self.evicted.discard(handle)
             region = self.regions[handle]
             region.pending, region.lost, region.source = None, False, None
+
+
+class _StateValues:
+    """The values of one offloaded optimizer state tensor (``access.OffloadedValues``)."""
+
+    def __init__(self, offloaded: _OptimizerOffload, param, key: str, local: torch.Tensor):
+        self.offloaded, self.handle, self.local = offloaded, (id(param), key), local
+        self.key = (id(offloaded), self.handle)
+        self.name = f"optimizer state {key!r}"
+
+    def evicted(self) -> bool:
+        return self.handle in self.offloaded.evicted
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def tensor(self) -> torch.Tensor:
+        return self.local
+
+    def storage(self) -> torch.UntypedStorage:
+        return self.local.untyped_storage()
+
+    def read(self) -> torch.Tensor:
+        if not self.evicted():
+            return self.local
+        out = torch.empty(self.local.shape, dtype=self.local.dtype, device=self.local.device)
+        self.offloaded.store.read(self.offloaded.regions[self.handle], out)
+        return out
+
+    @contextlib.contextmanager
+    def writing(self):
+        offloaded, handle = self.offloaded, self.handle
+        if not self.evicted():
+            yield self.local
+            return
+        region, local = offloaded.regions[handle], self.local.detach()
+        if not offloaded.poison:
+            local.untyped_storage().resize_(region.nbytes)
+        offloaded.store.read(region, local)
+        offloaded.evicted.discard(handle)
+        try:
+            yield local
+            offloaded.store.write(region, local.contiguous())
+            region.commit()
+        except BaseException:
+            region.discard()
+            raise
+        finally:
+            offloaded._evict_one(handle, local)
+
+    def refuse_graphs(self) -> str | None:
+        return None
 
 
 def _fresh_state(kind: type, group: dict, like: torch.Tensor) -> dict[str, Any]:

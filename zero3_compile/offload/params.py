@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import storage_key
+from .access import make_offloaded, make_plain
 from .origins import take_origin
 from .store import DiskStore, FileRows, HostStore, OffloadError, Region, read_target
 
@@ -126,17 +127,25 @@ def offloaded(state) -> OffloadedShard | None:
     return getattr(state, "offload", None)
 
 
-def register(state, store: DiskStore | HostStore, poison: bool) -> None:
-    """Give ``state`` (a ShardedParam) a region in ``store`` and evict its shard."""
+def register(
+    state,
+    store: DiskStore | HostStore,
+    poison: bool,
+    region: Region | None = None,
+    non_blocking: bool = False,
+) -> None:
+    """Give ``state`` (a ShardedParam) a region in ``store`` (``region``: one it had before) and
+    evict its shard."""
     local = _data(state)
     nbytes = local.numel() * local.element_size()
-    record = OffloadedShard(store, store.allocate(nbytes), poison)
+    record = OffloadedShard(store, region or store.allocate(nbytes), poison)
     state.offload = record
     with _lock:
         _by_storage[storage_key(local)] = state
+    make_offloaded(state.param, ParamValues(state))  # read and written through the store
     pending = _deferred.get(id(store))
     if pending is None:
-        store.write_current(record.region, local.contiguous())
+        store.write_current(record.region, local.contiguous(), non_blocking=non_blocking)
         _evict(state)
         return
     if _leave_in_file(store, record.region, local):
@@ -145,6 +154,19 @@ def register(state, store: DiskStore | HostStore, poison: bool) -> None:
     data = local.contiguous()
     pending.append((store.write_current_async(record.region, data), state, data))
     _settle(pending, keep=1)
+
+
+def unregister(state) -> Region:
+    """Undo ``register``: the shard's values back in its tensor, which the store no longer
+    holds; returns the region that held them."""
+    record = state.offload
+    if record.evicted:
+        _fill(state)
+    with _lock:
+        _by_storage.pop(storage_key(_data(state)), None)
+    state.offload = None
+    make_plain(state.param)
+    return record.region
 
 
 # Shards registered inside ``deferred_writes``: their first write still in flight (store id ->
@@ -237,6 +259,55 @@ def _fill(state) -> None:
         local.untyped_storage().resize_(record.nbytes)
     record.store.read(record.region, local)
     record.mark(Residency.RESIDENT)
+
+
+class ParamValues:
+    """The values of an offloaded parameter shard, for ``access.OffloadedDTensor``: reads read
+    the store, writes load the shard and store it as a new version (``loaded``)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.key = state
+        self.name = f"parameter {state.fqn!r}"
+
+    def evicted(self) -> bool:
+        return self.state.offload is not None and self.state.offload.evicted
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.param.device
+
+    def tensor(self) -> torch.Tensor:
+        return _data(self.state)
+
+    def storage(self) -> torch.UntypedStorage:
+        return _data(self.state).untyped_storage()
+
+    def read(self) -> torch.Tensor:
+        local = _data(self.state)
+        if not self.evicted():
+            return local
+        record = self.state.offload
+        out = read_target(record.store, local.shape, local.dtype, local.device)
+        record.store.read(record.region, out)
+        return out
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[torch.Tensor]:
+        if not self.evicted():
+            yield _data(self.state)
+            return
+        with loaded([self.state], write_back=True):
+            yield _data(self.state)
+
+    def refuse_graphs(self) -> str | None:
+        if getattr(self.state.root, "offload", None) is not None:
+            return None  # the model's graphs reload offloaded shards themselves
+        return (
+            f"zero3: {self.state.fqn!r} is held in host memory or on disk by "
+            "zero3_compile.offload_states(); call zero3_compile.reload_states(model, optimizer) "
+            "before running the model"
+        )
 
 
 def state_of_storage(shard: torch.Tensor):

@@ -344,8 +344,11 @@ class DiskStore:
         slot = region.pending = 1 - region.current  # set first: see ``write_part``
         self._transfer(tensor, region.offsets[slot], region.nbytes, write=True)
 
-    def write_current(self, region: Region, tensor: torch.Tensor) -> None:
-        """Overwrite the current slot (values that are not a new version, e.g. initial ones)."""
+    def write_current(
+        self, region: Region, tensor: torch.Tensor, non_blocking: bool = False
+    ) -> None:
+        """Overwrite the current slot (values that are not a new version, e.g. initial ones);
+        synchronous whatever ``non_blocking`` says (the host store's copies may not be)."""
         self._transfer(tensor, region.read_offset, region.nbytes, write=True)
         region.source = None
 
@@ -388,6 +391,11 @@ class DiskStore:
         if source is None:
             self._transfer(out, offset + start, nbytes, write=False)
             return
+        if out.device.type != "cpu":  # accelerator memory: through host memory
+            staged = torch.empty_like(out, device="cpu")
+            self._read_current(source, offset, staged, start, nbytes)
+            out.copy_(staged)
+            return
         if out.numel() * out.element_size() != nbytes or not out.is_contiguous():
             raise OffloadError(
                 errno.EINVAL,
@@ -423,6 +431,12 @@ class DiskStore:
         self._transfer(tensor, region.offsets[slot] + start, nbytes, write=True)
 
     def _transfer(self, tensor: torch.Tensor, offset: int, nbytes: int, write: bool) -> None:
+        if tensor.device.type != "cpu":  # accelerator memory: through host memory
+            staged = tensor.to("cpu") if write else torch.empty_like(tensor, device="cpu")
+            self._transfer(staged, offset, nbytes, write)
+            if not write:
+                tensor.copy_(staged)
+            return
         if tensor.numel() * tensor.element_size() != nbytes or not tensor.is_contiguous():
             raise OffloadError(
                 errno.EINVAL,
@@ -562,9 +576,14 @@ def _free_space(folder: str) -> str:
 
 
 class HostStore:
-    """Pinned host memory for tensors of an accelerator model (the "cpu" tier)."""
+    """Pinned host memory for tensors of an accelerator model (the "cpu" tier).
 
-    def __init__(self) -> None:
+    ``slots``: buffers per region (two: a new version is written beside the current one);
+    ``pin_memory=False``: pageable memory (slower copies, no pinned memory held)."""
+
+    def __init__(self, slots: int = 2, pin_memory: bool = True) -> None:
+        self.slots = slots
+        self.pin_memory = pin_memory
         self.bytes_read = 0
         self.bytes_written = 0
         self.io_seconds = 0.0
@@ -575,24 +594,33 @@ class HostStore:
     def count_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
 
-    def allocate(self, nbytes: int, slots: int = 2) -> Region:
+    def allocate(self, nbytes: int, slots: int | None = None) -> Region:
+        slots = self.slots if slots is None else slots
         region = Region((0, slots - 1), nbytes)
         region.buffers = [  # type: ignore[attr-defined]
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory) for _ in range(slots)
         ]
         return region
 
     def _slot(self, region: Region, slot: int) -> torch.Tensor:
         return region.buffers[slot]  # type: ignore[attr-defined]
 
+    @staticmethod
+    def _free_slot(region: Region) -> int:
+        """The slot a new version goes to (a one-slot region is rewritten in place)."""
+        return region.offsets[1 - region.current]
+
     def write(self, region: Region, tensor: torch.Tensor) -> None:
-        slot = 1 - region.current
+        slot = self._free_slot(region)
         self._slot(region, slot).copy_(tensor.reshape(-1).view(torch.uint8))
         region.pending = slot
         self.bytes_written += region.nbytes
 
-    def write_current(self, region: Region, tensor: torch.Tensor) -> None:
-        self._slot(region, region.current).copy_(tensor.reshape(-1).view(torch.uint8))
+    def write_current(
+        self, region: Region, tensor: torch.Tensor, non_blocking: bool = False
+    ) -> None:
+        buffer = self._slot(region, region.current)
+        buffer.copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
         self.bytes_written += region.nbytes
 
     def read(self, region: Region, out: torch.Tensor) -> None:
@@ -607,7 +635,7 @@ class HostStore:
 
     def write_part(self, region: Region, tensor: torch.Tensor, start: int) -> None:
         nbytes = _part_bytes(region, tensor, start)
-        slot = 1 - region.current
+        slot = self._free_slot(region)
         self._slot(region, slot)[start : start + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
         region.pending = slot
         self.bytes_written += nbytes
