@@ -1,6 +1,6 @@
 """Train a small GPT with ZeRO-3 through torch.compile on CPU ranks.
 
-    torchrun --standalone --nproc-per-node 2 examples/demo.py [--codegen eager] [--steps 8]
+    torchrun --standalone --nproc-per-node 2 examples/demo.py [--codegen eager] [--steps 8] [--layers 4]
 
 Prints the loss of every step and, per rank, the bytes of parameters, gradients and AdamW state
 against the unsharded model, and the collectives one training step issues. On gloo (CPU) a
@@ -40,12 +40,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (tests: 1)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    config = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=128)
     model = GPT(config)
     full_params = sum(p.numel() for p in model.parameters())
     unsharded_bytes = 4 * full_params * 4  # fp32 parameters + gradients + AdamW exp_avg, exp_avg_sq
