@@ -82,7 +82,13 @@ def zero3_backend(
     options: dict[str, Any] | Options | None = None,
     mode: str | None = None,
 ):
-    """``torch.compile(model, backend="zero3", options={...})``; see ``Options`` for the keys."""
+    """``torch.compile(model, backend="zero3", options={...})``; see ``Options`` for the keys.
+
+    Example:
+        ```python
+        step_model = torch.compile(model, backend="zero3", options={"bucket_mb": 25})
+        ```
+    """
     start = time.perf_counter()
     opts = Options.from_dict(options)
     _check_ready(gm, example_inputs)

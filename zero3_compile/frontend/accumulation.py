@@ -49,6 +49,14 @@ def set_requires_gradient_sync(
 
     ``keep_gathered`` (with ``requires_gradient_sync=False``): gather every parameter now and keep
     it gathered until sync is turned back on (no collective in the micro-batches between).
+
+    Example:
+        ```python
+        for i, batch in enumerate(micro_batches):
+            z3.set_requires_gradient_sync(model, i == len(micro_batches) - 1)  # reduce on the last
+            loss_fn(step_model(batch)).backward()
+        opt.step()
+        ```
     """
     if keep_gathered and requires_gradient_sync:
         raise ValueError(

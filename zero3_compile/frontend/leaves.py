@@ -23,6 +23,12 @@ def set_leaf_modules(model: nn.Module, modules: Iterable[type | nn.Module]) -> l
 
     Their full parameters stay alive for the block's whole forward (and, eagerly, until its
     backward), as with DeepSpeed's leaf modules.
+
+    Example:
+        ```python
+        z3.shard(model)
+        z3.set_leaf_modules(model, [MoEBlock])  # every rank gathers all experts of a block at once
+        ```
     """
     modules = check_leaf_modules(modules)
     wanted_types = tuple(m for m in modules if isinstance(m, type))

@@ -21,6 +21,12 @@ class MixedPrecision:
     cast_forward_inputs: cast floating-point tensors passed to the root module's forward to
         param_dtype (so ``model(x_fp32)`` works with bf16 weights).
     output_dtype: cast floating-point outputs of the root module's forward to this dtype.
+
+    Example:
+        ```python
+        policy = z3.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        z3.shard(model, mp_policy=policy)  # bf16 gathers and compute, fp32 reductions and shards
+        ```
     """
 
     param_dtype: torch.dtype | None = None

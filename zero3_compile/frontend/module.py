@@ -16,7 +16,16 @@ from ..sharding.state import ShardedParam, module_state
 
 
 class Zero3Module:
-    """Mixed into the generated class of every module of a sharded model (``z3.shard``)."""
+    """Mixed into the generated class of every module of a sharded model (``z3.shard``).
+
+    Example:
+        ```python
+        z3.shard(model)
+        assert isinstance(model, z3.Zero3Module)
+        model.set_requires_gradient_sync(False)  # the same as z3.set_requires_gradient_sync(model, False)
+        spec = model.shard_spec("weight")  # full shape, groups, the rows of each rank
+        ```
+    """
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, keep_gathered: bool = False

@@ -30,6 +30,13 @@ def compile_once(blocks: nn.Module | Iterable[nn.Module]) -> None:
 
     ``blocks``: a block, or an iterable of blocks (``model.model.layers``); each must belong to
     a model already passed to ``zero3_compile.shard``. Idempotent.
+
+    Example:
+        ```python
+        z3.shard(model)
+        z3.compile_once(model.model.layers)  # each kind of decoder layer compiled once
+        step_model = torch.compile(model, backend="zero3")  # the whole model's schedule
+        ```
     """
     modules = [blocks] if _is_single(blocks) else list(blocks)
     if not modules:

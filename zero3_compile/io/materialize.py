@@ -28,7 +28,16 @@ from ..sharding.state import module_state, state_of
 def materialize(
     model: nn.Module, *, init_fn: Callable[[nn.Module], None] | None = None
 ) -> nn.Module:
-    """Allocate and initialise the shards of a sharded model built on ``meta``; return it."""
+    """Allocate and initialise the shards of a sharded model built on ``meta``; return it.
+
+    Example:
+        ```python
+        with torch.device("meta"):
+            model = Transformer(config)  # no memory
+        z3.shard(model)  # the shards are meta too
+        z3.materialize(model, init_fn=model._init_weights)  # one module at a time
+        ```
+    """
     _apply_post_order(model, lambda module: _materialize_module(module, init_fn))
     for name, buffer in list(model.named_buffers()):
         if buffer.device.type == "meta":
