@@ -22,7 +22,7 @@ class Zero3Module:
         ```python
         z3.shard(model)
         assert isinstance(model, z3.Zero3Module)
-        model.set_requires_gradient_sync(False)  # the same as z3.set_requires_gradient_sync(model, False)
+        model.set_requires_gradient_sync(False)  # = z3.set_requires_gradient_sync(model, False)
         spec = model.shard_spec("weight")  # full shape, groups, the rows of each rank
         ```
     """
