@@ -104,7 +104,16 @@ def listening() -> list[Recorder]:
 
 @contextlib.contextmanager
 def record_graphs() -> Iterator[list[GraphRecord]]:
-    """Collect a ``GraphRecord`` for every graph compiled inside the ``with`` block."""
+    """Collect a ``GraphRecord`` for every graph compiled inside the ``with`` block.
+
+    Example:
+        ```python
+        with z3.record_graphs() as records:
+            loss_fn(step_model(x)).backward()
+        for record in records:
+            print(record.kind, record.gm.code)  # the scheduled graph, after every pass
+        ```
+    """
     recorder = Recorder()
     listen(recorder)
     try:

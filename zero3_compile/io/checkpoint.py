@@ -99,6 +99,14 @@ class CheckpointCorruptError(ValueError):
     """The files of a checkpoint do not match the manifest its save wrote (raised on every rank).
 
     ``file`` is the first damaged file, ``problems`` every (file, what is wrong) found.
+
+    Example:
+        ```python
+        try:
+            z3.load_checkpoint("ckpt/step_100", model, opt)
+        except z3.CheckpointCorruptError as error:
+            print(error.file, error.problems)  # nothing was loaded: use the checkpoint before
+        ```
     """
 
     def __init__(self, message: str, *, file: str | None = None, problems=()):
@@ -112,7 +120,16 @@ class CheckpointCorruptError(ValueError):
 
 class PeerLostError(RuntimeError):
     """A rank died or stopped answering during a collective checkpoint call (raised on the
-    others); ``lost`` lists the ranks that did not answer."""
+    others); ``lost`` lists the ranks that did not answer.
+
+    Example:
+        ```python
+        try:
+            z3.save_checkpoint("ckpt/step_100", model, opt)
+        except z3.PeerLostError as error:
+            print("lost ranks", error.lost)  # exit; torchrun --max-restarts restarts the job
+        ```
+    """
 
     def __init__(self, message: str, *, lost=()):
         super().__init__(message)
@@ -212,6 +229,12 @@ def load_checkpoint(
     ``extra`` receives, in place, the tensors saved under the same keys. Returns the
     ``rank_state`` this rank saved (None if the rank saved none, e.g. the checkpoint was written
     at a smaller world size).
+
+    Example:
+        ```python
+        state = z3.load_checkpoint("ckpt/step_100", model, opt)  # at any world size
+        step = state["step"]
+        ```
     """
     path = _existing(os.fspath(path))
     call = _next_call("load")
@@ -283,7 +306,13 @@ def load_checkpoint(
 
 def load_rank_state(path: str | os.PathLike, rank: int, *, verify: bool = True) -> Any:
     """The ``rank_state`` that ``rank`` saved into the checkpoint at ``path`` (None if it saved
-    none); not collective. With ``verify``, that file is checked against the manifest."""
+    none); not collective. With ``verify``, that file is checked against the manifest.
+
+    Example:
+        ```python
+        state = z3.load_rank_state("ckpt/step_100", rank=0)  # one rank's, no collective
+        ```
+    """
     path = _existing(os.fspath(path))
     manifest = None
     if verify:
@@ -299,6 +328,11 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     Raises ``CheckpointCorruptError`` naming each missing, truncated or modified file, or a
     missing or damaged manifest. With ``torch.distributed`` initialised this is collective: each
     rank hashes a share of the files and every rank raises the same error.
+
+    Example:
+        ```python
+        manifest = z3.verify_checkpoint("ckpt/step_100")  # raises CheckpointCorruptError
+        ```
     """
     return _checked_manifest(_existing(os.fspath(path)), hashing=True)
 

@@ -21,6 +21,13 @@ def full_state_dict(
 
     Every rank must call it (it all-gathers). With ``rank0_only=True`` the other ranks get ``{}``;
     ``cpu_offload=True`` moves the tensors to CPU. Tied parameters are gathered once.
+
+    Example:
+        ```python
+        state = z3.full_state_dict(model, rank0_only=True)  # every rank calls it
+        if dist.get_rank() == 0:
+            torch.save(state, "model.pt")
+        ```
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     keep = not rank0_only or dist.get_rank() == 0
@@ -50,6 +57,11 @@ def save_full_state_dict(path: str | os.PathLike, model: nn.Module) -> None:
     The file is written next to ``path`` and renamed over it, so an interrupted save leaves the
     previous file intact. Load it with ``load_full_state_dict`` or, unsharded,
     ``model.load_state_dict(torch.load(path, weights_only=True))``.
+
+    Example:
+        ```python
+        z3.save_full_state_dict("model.pt", model)  # every rank calls it; rank 0 writes
+        ```
     """
     state = full_state_dict(model, rank0_only=True, cpu_offload=True)
     if dist.get_rank() == 0:
@@ -78,6 +90,11 @@ def load_full_state_dict(
     and plain containers only, never arbitrary objects. With ``broadcast_from_rank0=True`` only
     rank 0 needs the state dict (others pass None) and tensors are sent one at a time, so no rank
     holds more than one full tensor beyond its shards.
+
+    Example:
+        ```python
+        z3.load_full_state_dict(model, "model.pt")  # each rank keeps its rows
+        ```
     """
     rank0 = dist.get_rank() == 0
     if isinstance(state_dict, (str, os.PathLike)) and (rank0 or not broadcast_from_rank0):

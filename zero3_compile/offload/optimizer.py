@@ -77,7 +77,15 @@ def offload_optimizer(
     ``in_backward=True``: each parameter steps during the backward, as soon as its gradient is
     reduced, so the state's I/O runs beside the backward's compute; ``step()`` waits for the
     last steps and commits. Needs ``Offload(params=..., grads=...)`` and an elementwise
-    optimizer; refuses gradient clipping, scaling and accumulation (``in_backward.py``)."""
+    optimizer; refuses gradient clipping, scaling and accumulation (``in_backward.py``).
+
+    Example:
+        ```python
+        opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), tier="disk", path="/nvme/run1")
+        loss_fn(step_model(x)).backward()
+        opt.step()  # the state streams through in tiles
+        ```
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"zero3: offload_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"

@@ -63,6 +63,12 @@ class Offload:
         an I/O error during a step leaves the previous values (twice the disk). False: one copy,
         rewritten in place; after such an error the lost values refuse to be read (resume from
         a checkpoint). For models whose state fills the disk.
+
+    Example:
+        ```python
+        model = z3.shard(model, offload=z3.Offload(params="disk", grads="disk", path="/nvme/run1"))
+        opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), path="/nvme/run1")
+        ```
     """
 
     params: str | None = None

@@ -37,7 +37,16 @@ _ALIGN = 4096
 
 
 class OffloadError(OSError):
-    """An offload store could not be created, written or read (names the path and the bytes)."""
+    """An offload store could not be created, written or read (names the path and the bytes).
+
+    Example:
+        ```python
+        try:
+            model = z3.shard(model, offload=z3.Offload(params="disk", path="/full/disk"))
+        except z3.OffloadError as error:  # names the path and the bytes it could not reserve
+            print(error)
+        ```
+    """
 
 
 class SourceFile:

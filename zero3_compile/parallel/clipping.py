@@ -27,7 +27,17 @@ def clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` for the parameters of this rank's pipeline stages,
     clipping by the norm of the whole model's gradients (all stages): pass ``pp_group`` (e.g.
     ``mesh["pp"].get_group()``; None for no pipeline). Every rank of the group must call it.
-    Returns the whole model's norm (a plain tensor, the same on every rank)."""
+    Returns the whole model's norm (a plain tensor, the same on every rank).
+
+    Example:
+        ```python
+        from zero3_compile.parallel import clip_grad_norm_
+
+        schedule.step(tokens)
+        norm = clip_grad_norm_(stage_module.parameters(), 1.0, pp_group=mesh["pp"].get_group())
+        optimizer.step()
+        ```
+    """
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters]
     norm_type = float(norm_type)

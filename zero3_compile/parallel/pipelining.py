@@ -35,7 +35,18 @@ from ..frontend.classes import is_sharded_module
 
 class PipelineStage(_TorchPipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` for a zero3-sharded ``submodule`` (or
-    ``torch.compile(submodule, backend="zero3")``); the same arguments, and ``keep_gathered``."""
+    ``torch.compile(submodule, backend="zero3")``); the same arguments, and ``keep_gathered``.
+
+    Example:
+        ```python
+        from zero3_compile.parallel import PipelineStage
+
+        z3.shard(stage_module, mesh=mesh["dp"])
+        compiled = torch.compile(stage_module, backend="zero3")
+        stage = PipelineStage(compiled, stage_index, num_stages, device, group=mesh["pp"].get_group())
+        schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+        ```
+    """
 
     def __init__(self, submodule: nn.Module, *args, keep_gathered: bool = False, **kwargs):
         self._zero3_model = _sharded_root(submodule)

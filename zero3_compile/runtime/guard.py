@@ -72,7 +72,16 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 class CollectiveMismatchError(RuntimeError):
-    """The ranks were about to issue different collectives (raised on every rank)."""
+    """The ranks were about to issue different collectives (raised on every rank).
+
+    Example:
+        ```python
+        try:
+            loss_fn(step_model(batch)).backward()
+        except z3.CollectiveMismatchError as error:
+            print(error)  # each rank's next collective, and the likely fix
+        ```
+    """
 
 
 class SideChannel:

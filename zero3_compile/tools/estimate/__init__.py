@@ -78,7 +78,15 @@ def estimate_memory(
     """Per-rank bytes of parameters, gradients and optimizer state for ``model`` (sharded or
     not, on any device including ``meta``) under plain data parallelism, ZeRO-3, and ZeRO-3
     with parameters and/or optimizer state offloaded. ``offload``: an ``Offload`` to add its
-    row (the parameter rows are there anyway)."""
+    row (the parameter rows are there anyway).
+
+    Example:
+        ```python
+        with torch.device("meta"):
+            model = Transformer(config)
+        print(z3.estimate_memory(model, world_size=8, optimizer="adamw"))  # DDP, ZeRO-3, offload rows
+        ```
+    """
     key = optimizer.lower()
     if key not in _STATES:
         raise ValueError(f"zero3: optimizer={optimizer!r}; known: {', '.join(_STATES)}")

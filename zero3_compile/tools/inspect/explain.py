@@ -108,6 +108,13 @@ def explain(
     compiled with exact reductions, and each quantized bucket reports its gradients' error
     against those (``ReduceInfo.quantization_error``); with ``weight_quantization`` each int8
     all-gather bucket reports its shards' round-trip error (``GatherInfo.quantization_error``).
+
+    Example:
+        ```python
+        report = z3.explain(model, torch.randn(8, 64), options={"bucket_mb": 25})
+        print(report)  # gathers, buckets, reduce-scatters, bytes, the memory timeline
+        report.save("zero3_report")  # report.txt, report.json, pictures
+        ```
     """
     from ...compiler.backend import zero3_backend
 
