@@ -83,7 +83,9 @@ def deepspeed_keys_table() -> str:
             rows.append(f"| `{key}` | {_cell(str(what))} |")
         return "\n".join(rows)
     notes = {**getattr(ds, "_TOP_NOTES", {})}
-    notes.update({f"zero_optimization.{k}": v for k, v in getattr(ds, "_BY_CONSTRUCTION", {}).items()})
+    notes.update(
+        {f"zero_optimization.{k}": v for k, v in getattr(ds, "_BY_CONSTRUCTION", {}).items()}
+    )
     refused = {f"zero_optimization.{k}": v for k, v in getattr(ds, "_UNSUPPORTED", {}).items()}
     keys = sorted(getattr(ds, "_TOP_KEYS", ())) + sorted(
         f"zero_optimization.{k}" for k in getattr(ds, "_ZERO_KEYS", ())
