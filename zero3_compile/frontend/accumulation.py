@@ -11,8 +11,14 @@ opt.step(); opt.zero_grad()
 With sync off, each trainable parameter's full gradient accumulates unreduced in a full-size
 buffer (more memory: an unsharded gradient per rank, in the parameter's dtype) and backward issues
 no reduce-scatter. In the next synchronised backward, as soon as a parameter's shard gradient is
-accumulated, its buffer is reduce-scattered and added to it, and freed. The sink that receives
-these gradients is a zero-strided leaf: it costs no memory itself.
+accumulated, its buffer is reduce-scattered and added to it, and freed; the buffers of parameters
+that backward does not reach (frozen or unused in the last micro-batch) are reduced when it ends.
+The sink that receives these gradients is a zero-strided leaf: it costs no memory itself.
+
+``requires_grad`` may change between micro-batches, as in eager training: a parameter read while
+``requires_grad=False`` gets no gradient from that micro-batch (its read passes no sink, or
+detaches the kept parameter), and one frozen when sync is turned back on has its pending
+gradient reduced there and then (no backward will reach it).
 
 ``keep_gathered=True`` also keeps the parameters gathered while sync is off (FSDP2's
 ``set_reshard_after_backward(False)``): each is gathered once when sync is turned off, and the
@@ -28,6 +34,8 @@ partial gradient (or a stale kept parameter would be read after the step).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn as nn
@@ -79,15 +87,23 @@ def set_requires_gradient_sync(
             if param_state.state is ShardState.KEPT_GATHERED:
                 _release(param_state)
             param_state.transition(ShardState.SHARDED)
+            if _pending(param_state) is not None and not param_state.param.requires_grad:
+                _reduce_pending(param_state)  # frozen now: no backward reaches its shard
             continue
-        if param_state.param.requires_grad:
-            _ensure_sink(param_state)
+        # frozen ones too: one may be unfrozen within the window (the getter passes the sink
+        # only while the parameter requires grad)
+        _ensure_sink(param_state)
         if keep_gathered and param_state.state is not ShardState.KEPT_GATHERED:
             _keep(param_state)
             param_state.transition(ShardState.KEPT_GATHERED)
         elif param_state.state is ShardState.SHARDED:
             param_state.transition(ShardState.ACCUMULATING)
-        open_window(param_state)
+        if param_state.param.requires_grad:
+            open_window(param_state)  # else once a gradient is pending (_on_pending)
+    if requires_gradient_sync:
+        for param_state in states.values():
+            if _pending(param_state) is not None:
+                _closing.setdefault(param_state.root, []).append(param_state)
 
 
 def _exact(spec: ShardSpec) -> str:
@@ -102,7 +118,9 @@ def _keep(state: ShardedParam) -> None:
     local = state.local()
     with torch.no_grad(), state.root.active():
         full = UNSHARD(local, state.param_id, _exact(state.spec), None)
-    full.requires_grad_(state.param.requires_grad)
+    # a frozen parameter's reads detach it (the getter): it may be unfrozen within the window
+    full.requires_grad_(True)
+    full.register_post_accumulate_grad_hook(_on_pending(state))
     sink = state.grad_sink
     if sink is not None and sink.grad is not None:  # pending from micro-batches before keeping
         full.grad = sink.grad.to(full.dtype)
@@ -144,27 +162,76 @@ def _ensure_sink(state: ShardedParam) -> None:
     local = state.local()
     sink = torch.zeros((), dtype=local.dtype, device=local.device).expand(state.full_shape)
     state.grad_sink = sink.detach().requires_grad_(True)
-    state.param.register_post_accumulate_grad_hook(_flush(state))
+    state.grad_sink.register_post_accumulate_grad_hook(_on_pending(state))
+    _hook_param(state)
+
+
+# states whose shard carries the flush hook (a frozen parameter takes no hook: it is added once
+# a gradient reaches its sink)
+_hooked: weakref.WeakSet = weakref.WeakSet()
+# runtime -> its states with gradients pending when sync was turned on, in module order: what
+# the next synchronised backward has not reduced when it ends is reduced then (_reduce_rest)
+_closing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_queued: weakref.WeakSet = weakref.WeakSet()  # runtimes whose _reduce_rest is queued
+
+
+def _hook_param(state: ShardedParam) -> None:
+    if state not in _hooked and state.param.requires_grad:
+        state.param.register_post_accumulate_grad_hook(_flush(state))
+        _hooked.add(state)
+
+
+def _on_pending(state: ShardedParam):
+    def on_pending(leaf: torch.Tensor) -> None:
+        """A gradient arrived in the sink or the kept parameter: ``param.grad`` stands for it
+        (a parameter frozen when sync was turned off opens its window here)."""
+        if not state.requires_sync:
+            open_window(state)
+            _hook_param(state)
+
+    return on_pending
+
+
+def _pending(state: ShardedParam) -> torch.Tensor | None:
+    sink = state.grad_sink
+    return None if sink is None else sink.grad
+
+
+def _reduce_pending(state: ShardedParam) -> None:
+    pending, state.grad_sink.grad = state.grad_sink.grad, None
+    _add_reduced(state, pending)
 
 
 def _flush(state: ShardedParam):
     def flush(param: nn.Parameter) -> None:
         """Runs when the shard's gradient was accumulated: add the reduced pending gradient."""
-        sink = state.grad_sink
-        pending = None if sink is None else sink.grad
         # the hook also runs for steps that gave the shard no gradient (sync off)
-        if pending is None or param.grad is None or not state.requires_sync:
+        if param.grad is None or not state.requires_sync:
             return
-        sink.grad = None
-        _add_reduced(state, pending)
+        if _pending(state) is not None:
+            _reduce_pending(state)
+        runtime = state.root
+        if runtime in _closing and runtime not in _queued:
+            _queued.add(runtime)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _reduce_rest(runtime))
 
     return flush
+
+
+def _reduce_rest(runtime) -> None:
+    """At the end of the first synchronised backward: reduce the pending gradients it did not
+    reach (parameters frozen or unused in the last micro-batch), in module order on every rank."""
+    _queued.discard(runtime)
+    for state in _closing.pop(runtime, ()):
+        if state.requires_sync and _pending(state) is not None:
+            _reduce_pending(state)
 
 
 def discard_pending(model: nn.Module) -> None:
     """Drop every gradient of ``model``'s sharded parameters, pending or reduced, and every kept
     parameter, without a collective (what a pipeline's metadata inference computed)."""
     for param_state in sharded_states(model):
+        _closing.pop(param_state.root, None)
         close_window(param_state)
         param_state.pending_scalings = []
         if param_state.grad_sink is not None:

@@ -144,9 +144,10 @@ def _flat(args, kwargs):
 
 
 def open_window(state) -> None:
-    """Make ``param.grad`` a ``PendingGrad`` (gradient sync turned off)."""
+    """Make ``param.grad`` a ``PendingGrad`` (gradient sync turned off, or a gradient pending for
+    a parameter frozen when it was turned off)."""
     param = state.param
-    if _pending_of(param) is not None or not param.requires_grad:
+    if _pending_of(param) is not None:
         return
     grad = param.grad
     base = None if grad is None else (grad._local_tensor if isinstance(grad, DTensor) else grad)
