@@ -24,6 +24,15 @@ file on every rank, never a model with wrong values. A checkpoint without a mani
 with ``verify=False``. It reads back at any world size (DCP reshards), and reads DCP's metadata
 with an unpickler that accepts only checkpoint metadata classes, never arbitrary objects.
 
+A save changes nothing in the training: torch's state-dict helpers would step an optimizer that
+has no state yet (zero gradients, lr 0) to create it, which makes Adam's step count 1 before the
+first real step; ``save_checkpoint`` keeps them from it, so the checkpoint of an optimizer that
+has not stepped holds its parameter groups only, and ``load_checkpoint`` gives the optimizer no
+state from it (as a fresh one). A save inside a gradient-sync-off window (``set_requires_gradient_
+sync(model, False)``) writes the shards and the optimizer state of the last step; the gradients
+pending for the next step stay with the training and are not part of the checkpoint (as in
+DeepSpeed and torch's DCP, which save no gradients).
+
 ``rank_state`` carries what else a resumed job needs per rank (step, LR scheduler, RNG states, data
 position; tensors, numbers, strings and containers of them): it is written into the same staging
 directory, so it is sealed and swapped in together with the shards, and ``load_checkpoint`` returns
@@ -76,6 +85,7 @@ from ..frontend.loading import loading as shard_access
 from ..offload.deferred import deferred_reads, holds_deferred, materialized
 from ..offload.incoming import IncomingWrites, incoming, incoming_loads
 from ..runtime.guard import roll_call
+from ..sharding.state import ShardState, module_state
 from .stages import StageModules, is_flattened
 
 _BACKUP = ".zero3-previous"
@@ -158,6 +168,12 @@ def save_checkpoint(
     previous checkpoint aside first and deleting it last). ``extra``: tensors saved as rank 0 has
     them. ``rank_state``: this rank's own objects (tensors, numbers, strings, None and
     lists/tuples/dicts of them), returned by ``load_checkpoint`` on the same rank.
+
+    It leaves the model and optimizer as they are (an optimizer that has not stepped yet keeps
+    no state); inside a gradient-sync-off window it saves the shards and optimizer state, without
+    the gradients pending for the next step. Example::
+
+        z3.save_checkpoint("ckpt/step-100", model, opt, rank_state={"step": 100})
     """
     path = os.fspath(path)
     call = _next_call("save")
@@ -247,7 +263,10 @@ def load_checkpoint(
         manifest = _checked_manifest(path, hashing=False) if verify else None
         reader = _IncomingReader(path, writes, manifest)
         # the optimizer state's layout is the checkpoint's (stages.py), whatever model is given
-        flattened = is_flattened(reader.read_metadata())
+        metadata = reader.read_metadata()
+        flattened = is_flattened(metadata)
+        # saved before the optimizer's first step: its parameter groups only, no state
+        unstepped = optimizer is not None and flattened and _without_optimizer_state(metadata)
         stages = StageModules(model, flatten=flattened)
         if stages.prefixed and optimizer is not None and not flattened:
             raise ValueError(
@@ -255,9 +274,9 @@ def load_checkpoint(
                 "optimizer state by parameter group; load it into one module (the whole model), "
                 "not a list of pipeline stage modules"
             )
-        if offloaded is not None:
+        if offloaded is not None and not unstepped:
             created = offloaded.prepare_load()
-        state = _state(stages, optimizer)
+        state = _state(stages, optimizer, unstepped=unstepped)
         if extra:
             state["extra"] = dict(extra)
         if manifest is not None:
@@ -285,7 +304,15 @@ def load_checkpoint(
     options = stages.options or StateDictOptions()
     if len(model_state) < len(loaded_state["model"]):
         options = dataclasses.replace(options, strict=False)  # DCP found every key
-    with _shard_access(stages):
+    if unstepped and optimizer.state:
+        if offloaded is not None:
+            raise ValueError(
+                f"zero3: the checkpoint at {path!r} was saved before the optimizer's first step "
+                "(it holds no optimizer state); load it into an offloaded optimizer that has not "
+                "stepped yet (a new one), or without the optimizer"
+            )
+        optimizer.state.clear()  # as saved: no state
+    with _shard_access(stages), _no_optimizer_init(unstepped):
         if optimizer is not None:
             set_state_dict(
                 stages.root,
@@ -370,22 +397,95 @@ class _ReadingPlanner(DefaultSavePlanner):
 
 
 def _state(
-    stages: StageModules, optimizer: torch.optim.Optimizer | None, *, for_save: bool = False
+    stages: StageModules,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    for_save: bool = False,
+    unstepped: bool = False,
 ) -> dict[str, Any]:
+    """The state dicts DCP saves from or loads into. ``unstepped`` (a load of a checkpoint saved
+    before the optimizer's first step): the optimizer's parameter groups only."""
     # torch's state-dict helpers find parameters by walking attributes (``getattr(module,
     # "weight")``): with the shards visible that reads the sharded parameters, not a gather each.
     # For a save, offloaded values come as tensors read on use (``offload/deferred.py``); for a
     # load, as tensors written to their stores as DCP reads them (``offload/incoming.py``)
     deferred = deferred_reads() if for_save else incoming_loads()
-    with _shard_access(stages), deferred:
+    access = _shard_reads(stages) if for_save else _shard_access(stages)
+    with access, deferred, _no_optimizer_init(for_save or unstepped):
         if optimizer is None:
             state = {"model": get_model_state_dict(stages.root, options=stages.options)}
         else:
             model_state, optim_state = get_state_dict(
                 stages.root, optimizer, options=stages.options
             )
+            if unstepped:  # flattened: "state.<fqn>.<key>", "param_groups.<fqn>.<key>"
+                optim_state = {k: v for k, v in optim_state.items() if not k.startswith("state.")}
             state = {"model": model_state, "optim": optim_state}
     return stages.stored(state)
+
+
+@contextlib.contextmanager
+def _no_optimizer_init(active: bool = True):
+    """torch's ``get_state_dict`` / ``set_state_dict`` create the state of an optimizer that has
+    none by stepping it once with zero gradients and lr 0 (``_init_optim_state`` in
+    ``torch/distributed/checkpoint/state_dict.py``, torch 2.4 to 2.13): Adam's step count is then
+    1 before the first real step and every later update differs (and, inside a sync-off window,
+    the step would be refused). Without it the optimizer's state dict holds what it has: its
+    parameter groups only, before the first step."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    original = getattr(torch_state_dict, "_init_optim_state", None)
+    if not active or original is None:  # a torch without it creates no state either
+        yield
+        return
+    torch_state_dict._init_optim_state = lambda optim: None
+    try:
+        yield
+    finally:
+        torch_state_dict._init_optim_state = original
+
+
+def _without_optimizer_state(metadata) -> bool:
+    """Whether a checkpoint holds the optimizer's parameter groups but no state (saved before
+    its first step)."""
+    keys = metadata.state_dict_metadata
+    return any(k.startswith("optim.param_groups.") for k in keys) and not any(
+        k.startswith("optim.state.") for k in keys
+    )
+
+
+@contextlib.contextmanager
+def _shard_reads(stages: StageModules):
+    """For a save: reading ``module.<param>`` gives the sharded parameter (as ``loading()``
+    does), also while gradient sync is off (the shards hold the values of the last step; the
+    kept full parameters of ``keep_gathered`` equal them). Inside ``z3.gathered(model)`` the
+    shards may not hold the writes made there yet: refused."""
+    scoped = []
+    for root in stages.modules:
+        for module in root.modules():
+            state = module_state(module)
+            if state is None:
+                continue
+            for param_state in state.params.values():
+                if param_state.state in (ShardState.GATHERED, ShardState.LOADING):
+                    raise RuntimeError(
+                        f"zero3: save_checkpoint reads the shards, and {param_state.fqn!r} is "
+                        f"{param_state.state.name} (inside z3.gathered(model) or a load): save "
+                        "after that block"
+                    )
+            if state.scope is not None:
+                raise RuntimeError(
+                    "zero3: save_checkpoint was called inside a leaf module's forward; save "
+                    "between steps"
+                )
+            scoped.append((module, state))
+    try:
+        for module, state in scoped:
+            state.scope = {attr: module._parameters[attr] for attr in state.params}
+        yield
+    finally:
+        for _, state in scoped:
+            state.scope = None
 
 
 @contextlib.contextmanager
