@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -41,12 +42,14 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
         if not is_sharded(param):  # a loader hands this rank's values as a parameter
             adopt(own, param)
             return
-    if param is not None and not is_sharded(param):
-        if isinstance(param, DTensor):
+    if isinstance(param, DTensor) and not is_sharded(param):
+        if own is None or not _same_layout(own, param):
             raise ValueError(
                 f"zero3: cannot assign a DTensor parameter to {state.prefix or '<root>'}.{name}; "
                 "assign a plain nn.Parameter (it is sharded on assignment)"
             )
+        param = _recast(own, param)  # a cast of the shard (peft's cast_adapter_dtype)
+    elif param is not None and not is_sharded(param):
         fqn = f"{state.prefix}.{name}" if state.prefix else name
         param = shard_parameter(param, fqn, state.root).param
     base_call(self, "register_parameter", name, param)
@@ -58,6 +61,33 @@ def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -
             shared.tied = True  # one parameter under two names (a loader's tie_weights)
         state.params[name] = shared
     reclass(self)
+
+
+def _same_layout(state: ShardedParam, param: DTensor) -> bool:
+    current = state.param
+    return (
+        tuple(param.shape) == tuple(current.shape)
+        and param.device_mesh == current.device_mesh
+        and param.placements == current.placements
+        and param.to_local().shape == current.to_local().shape
+    )
+
+
+def _recast(state: ShardedParam, param: DTensor) -> nn.Parameter:
+    """``module.w = nn.Parameter(module.w_shard.to(dtype))``, with ``w_shard`` the sharded
+    parameter (``named_parameters()``): the shard takes the new values and dtype in place (the
+    parameter object and its state stay)."""
+    if state.offload is not None:
+        raise ValueError(
+            f"zero3: {state.fqn!r} is offloaded; its dtype cannot change after shard() (cast the "
+            "model before sharding it)"
+        )
+    target = state.param
+    torch.utils.swap_tensors(
+        target, nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+    )
+    state.attach(target)
+    return target
 
 
 def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
