@@ -1,92 +1,110 @@
 """A DeepSpeed ZeRO-3 configuration (file or dict) translated into zero3_compile's settings.
 
-``z3hf.Trainer(..., zero3_config="ds_config.json")``: a DeepSpeed user changes one word. Keys with
-a meaning here are translated; keys that describe how DeepSpeed itself works (and that
-zero3_compile does by construction) are accepted with a note; anything else is an error that
-lists the keys understood. Sizes DeepSpeed gives in elements become bytes of the communicated
-dtype.
+``z3hf.Trainer(..., zero3_config="ds_config.json")`` or ``z3hf.Accelerator()`` under
+``accelerate launch --use_deepspeed``: a DeepSpeed user changes one word. Every key and alias
+that DeepSpeed 0.19.8 reads for ZeRO stage 3 has an entry in ``KEYS`` (the docs' table is made
+from it): translated where zero3_compile has a counterpart; accepted with a logged note where it
+only tunes how DeepSpeed works inside; refused, with the reason, only where ignoring it would
+change what training computes (as DeepSpeed itself refuses the keys it removed). Sizes
+DeepSpeed gives in elements become bytes of the dtype communicated.
+
+```python
+out = translate_deepspeed_config("ds_config.json")
+out.options        # torch.compile(model, backend="zero3", options=out.options)
+out.shard          # z3.shard(model, **out.shard)
+out.notes          # what was accepted without a counterpart (logged once, on rank 0)
+```
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 
+from ..frontend.leaves import set_leaf_modules
 from ..offload.params import Offload
+from .deepspeed_keys import HOST_MEMORY, KEYS, NOTED, REFUSED, REMOVED, SECTIONS, TOP
+from .deepspeed_schedules import OptimizerSpec, ScheduleSpec
 
+__all__ = ["KEYS", "LeafModules", "Translated", "translate"]
+
+logger = logging.getLogger(__name__)
 MiB = 2**20
 
-# keys whose job zero3_compile does by construction: accepted, with the reason
-_BY_CONSTRUCTION = {
-    "overlap_comm": "communication always overlaps compute (scheduled in the graphs)",
-    "contiguous_gradients": "gradients are bucketed into flat buffers by the compiler",
-    "reduce_scatter": "gradients are always reduce-scattered",
-    "round_robin_gradients": "not needed: each rank owns its rows of every parameter",
-    "stage3_max_reuse_distance": "a gathered parameter is freed right after its last use",
-    "stage3_param_persistence_threshold": (
-        "small parameters share their block's bucket instead of being kept whole"
-    ),
-    "model_persistence_threshold": "small parameters share their block's bucket",
-    "stage3_gather_16bit_weights_on_model_save": "save_model always writes the full weights",
-    "stage3_gather_fp16_weights_on_model_save": "save_model always writes the full weights",
-    "gather_16bit_weights_on_model_save": "save_model always writes the full weights",
-    "ignore_unused_parameters": "parameters no rank used keep grad=None, as in eager",
-    "load_from_fp32_weights": "checkpoints hold the fp32 shards",
-    "elastic_checkpoint": "checkpoints load at any world size",
-    "memory_efficient_linear": "not needed",
-    "allgather_partitions": "parameters are always all-gathered from their shards",
-    "allgather_bucket_size": "stage 1/2 setting; stage 3 uses reduce_bucket_size",
-    "sub_group_size": "offloaded optimizer state streams in tiles (offload_optimizer tile_mb)",
-}
-_TOP_NOTES = {
-    "steps_per_print": "logging follows TrainingArguments.logging_steps",
-    "wall_clock_breakdown": "use z3.explain / TORCH_LOGS for timings",
-    "zero_allow_untested_optimizer": "any torch.optim optimizer works",
-    "communication_data_type": "set reduce_dtype with bf16/MixedPrecision",
-    "prescale_gradients": "gradients are averaged after the reduction",
-    "gradient_predivide_factor": "gradients are averaged after the reduction",
-    "activation_checkpointing": "use TrainingArguments(gradient_checkpointing=True)",
-    "flops_profiler": "not translated",
-    "tensorboard": "use TrainingArguments(report_to=...)",
-    "wandb": "use TrainingArguments(report_to=...)",
-    "csv_monitor": "use TrainingArguments(report_to=...)",
-    "comms_logger": "use z3.explain for the collectives",
-    "dump_state": "not translated",
-}
-# ZeRO++: hpZ's partition size (ranks per node), qwZ, qgZ (DeepSpeed's qgZ sends int4)
-_ZERO_PLUS_PLUS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
-_UNSUPPORTED = {
-    "mics_shard_size": "MiCS is not supported; use a hybrid mesh (z3.shard(mesh=...))",
-}
-_ZERO_KEYS = {"stage", "reduce_bucket_size", "stage3_prefetch_bucket_size",
-              "stage3_max_live_parameters", "offload_param", "offload_optimizer",
-              *_ZERO_PLUS_PLUS, *_BY_CONSTRUCTION, *_UNSUPPORTED}  # fmt: skip
-_TOP_KEYS = {"zero_optimization", "bf16", "fp16", "gradient_clipping", "train_batch_size",
-             "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-             "scheduler", *_TOP_NOTES}  # fmt: skip
-_SCHEDULERS = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear",
-               "WarmupCosineLR": "cosine"}  # fmt: skip
+# ------------------------------------------------------------------ the result
+
+
+@dataclass
+class LeafModules:
+    """DeepSpeed's ``leaf_module`` section: modules gathered whole when called."""
+
+    classes: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    name_suffixes: list[str] = field(default_factory=list)
+
+    def resolve(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` that match, in ``named_modules()`` order."""
+        found = []
+        for name, module in model.named_modules():
+            cls = type(module)
+            dotted = f"{cls.__module__}.{cls.__qualname__}"
+            if (
+                cls.__name__ in self.classes
+                or dotted in self.classes
+                or name in self.names
+                or any(name.endswith(s) for s in self.name_suffixes)
+            ):
+                found.append(module)
+        return found
 
 
 @dataclass
 class Translated:
+    """What a DeepSpeed config becomes (``translate``)."""
+
     options: dict[str, Any] = field(default_factory=dict)  # torch.compile(..., options=)
     shard: dict[str, Any] = field(default_factory=dict)  # z3.shard keyword arguments
     optimizer_offload: dict[str, Any] | None = None  # z3.offload_optimizer keyword arguments
     args: dict[str, Any] = field(default_factory=dict)  # TrainingArguments fields to set
     scaler: dict[str, Any] = field(default_factory=dict)  # torch.amp.GradScaler arguments (fp16)
+    leaf_modules: LeafModules | None = None  # z3.set_leaf_modules, resolved on the model
+    optimizer: OptimizerSpec | None = None  # the config's Adam/AdamW (for DummyOptim)
+    lr_schedule: ScheduleSpec | None = None  # the config's schedule, exact
+    autocast: torch.dtype | None = None  # torch_autocast's dtype
     notes: list[str] = field(default_factory=list)
+
+    def set_leaf_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Apply the config's ``leaf_module`` section to a sharded ``model``."""
+        if self.leaf_modules is None:
+            return []
+        modules = self.leaf_modules.resolve(model)
+        return set_leaf_modules(model, modules) if modules else []
+
+
+# ------------------------------------------------------------------ translation
 
 
 def translate(
     config: str | os.PathLike | dict, args=None, *, on_gpu: bool | None = None
 ) -> Translated:
     """Translate a DeepSpeed config (a path to JSON or a dict) checked against ``args``
-    (``TrainingArguments``, for the ``"auto"`` and consistency rules)."""
+    (``TrainingArguments``, for the ``"auto"`` and consistency rules).
+
+    The notes (keys accepted without a counterpart) are logged once, on rank 0, and kept in
+    ``Translated.notes``.
+
+    Example:
+        >>> out = translate({"zero_optimization": {"stage": 3, "overlap_comm": True}})
+        >>> out.notes
+        ['zero_optimization.overlap_comm: communication overlaps compute as the compiler schedules it']
+    """
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
@@ -96,118 +114,215 @@ def translate(
         )
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     out = Translated()
-    unknown = sorted(set(config) - _TOP_KEYS)
-    if unknown:
-        raise ValueError(
-            f"zero3: DeepSpeed config keys {unknown} have no meaning for zero3_compile; understood: "
-            f"{', '.join(sorted(_TOP_KEYS))}"
-        )
-    for key in sorted(set(config) & set(_TOP_NOTES)):
-        out.notes.append(f"{key}: {_TOP_NOTES[key]}")
-    _zero(config.get("zero_optimization"), out, on_gpu)
-    _precision(config, out)
+    _check_section("", config, out, unknown_is_error=False)
+    zero = config.get("zero_optimization")
+    half = _precision(config, out)
+    _zero(zero, out, on_gpu, gather_bytes=2 if half else 4)
     _batch(config, args, out)
-    _optimizer(config.get("optimizer"), out)
-    _scheduler(config.get("scheduler"), out)
+    _top_values(config, out)
+    if config.get("optimizer") is not None:
+        out.optimizer = OptimizerSpec.parse(config["optimizer"])
+        _optimizer_args(out.optimizer, out)
+    if config.get("scheduler") is not None:
+        out.lr_schedule = ScheduleSpec.parse(config["scheduler"])
     clip = config.get("gradient_clipping", "auto")
-    if clip != "auto":
+    if clip not in ("auto", None):
         out.args["max_grad_norm"] = float(clip)
+    _log_notes(out.notes)
     return out
 
 
-def _zero(zero: dict | None, out: Translated, on_gpu: bool) -> None:
+def _check_section(prefix: str, section: dict, out: Translated, unknown_is_error: bool) -> None:
+    """Refuse the refused keys that are on and unknown keys (DeepSpeed's config models forbid
+    them); note the noted ones."""
+    rules = SECTIONS[prefix]
+    where = f"{prefix}." if prefix else ""
+    unknown = sorted(set(section) - set(rules))
+    if unknown and unknown_is_error:
+        raise ValueError(
+            f"zero3: DeepSpeed config keys {[where + k for k in unknown]} are not DeepSpeed "
+            f"0.19.8's (it refuses them too); known here: {', '.join(sorted(rules))}"
+        )
+    for key in unknown:  # top level: DeepSpeed ignores keys it does not read, and so do we
+        out.notes.append(f"{key}: not a key DeepSpeed 0.19.8 reads; ignored, as DeepSpeed does")
+    for key in sorted(set(section) & set(rules)):
+        action, text = rules[key]
+        if action == REFUSED and (text == REMOVED or _on(section[key])):
+            raise ValueError(f"zero3: DeepSpeed config key {where}{key}: {text}")
+        if action == NOTED:
+            out.notes.append(f"{where}{key}: {text}")
+
+
+def _on(value) -> bool:
+    """Whether a key is on: a section unless it says ``enabled: false``; a value unless false,
+    0 or none. (A refused key set off is harmless.)"""
+    if isinstance(value, dict):
+        return value.get("enabled", True) not in (False, "false")
+    return value not in (None, False, 0, "none", "auto")
+
+
+def _alias(zero: dict, name: str, alias: str, default=None):
+    if name in zero and alias in zero:
+        raise ValueError(
+            f"zero3: zero_optimization has both {name!r} and its alias {alias!r}; keep one"
+        )
+    value = zero.get(name, zero.get(alias, default))
+    return default if value == "auto" else value
+
+
+def _zero(zero, out: Translated, on_gpu: bool, gather_bytes: int) -> None:
     if not isinstance(zero, dict):
-        raise ValueError("zero3: the DeepSpeed config has no zero_optimization section")
+        raise ValueError(
+            "zero3: the DeepSpeed config has no zero_optimization section (a dict with stage 3)"
+        )
     if zero.get("stage") != 3:
         raise ValueError(
             f"zero3: zero_optimization.stage is {zero.get('stage')!r}; zero3_compile is ZeRO stage 3"
         )
-    unknown = sorted(set(zero) - _ZERO_KEYS)
-    if unknown:
+    _check_section("zero_optimization", zero, out, unknown_is_error=True)
+    if zero.get("compute_grad_norm", True) is False:
         raise ValueError(
-            f"zero3: zero_optimization keys {unknown} are not understood; understood: "
-            f"{', '.join(sorted(_ZERO_KEYS))}"
+            "zero3: zero_optimization.compute_grad_norm=false is a stage 1/2 setting (DeepSpeed "
+            "refuses it at stage 3); remove it"
         )
-    for key, why in _UNSUPPORTED.items():
-        if zero.get(key) not in (None, False, 0, 1):
-            raise ValueError(f"zero3: zero_optimization.{key}: {why}")
+    mics = zero.get("mics_shard_size", -1)
+    if mics not in (-1, None, "auto"):
+        out.notes.append(
+            f"zero_optimization.mics_shard_size={mics}: zero3 shards over all ranks (the same "
+            "results); z3.shard(mesh=...) shards within groups of ranks and replicates across them"
+        )
+    _zero_plus_plus(zero, out)
+    bucket = zero.get("reduce_bucket_size", "auto")
+    if bucket != "auto":
+        out.options["bucket_mb"] = max(int(float(bucket)) * 4 / MiB, 1 / MiB)
+    prefetch = _alias(zero, "prefetch_bucket_size", "stage3_prefetch_bucket_size")
+    live = _alias(zero, "max_live_parameters", "stage3_max_live_parameters")
+    if prefetch is not None and int(float(prefetch)) == 0:
+        out.options["prefetch_depth"] = 0  # DeepSpeed: no prefetch
+    else:
+        caps = [int(float(c)) * gather_bytes for c in (prefetch, live) if c is not None]
+        if caps:
+            out.options["max_inflight_bytes"] = max(min(caps), 1)
+            out.options["prefetch_depth"] = 8  # as far ahead as the byte cap allows
+    _offload(zero, out, on_gpu)
+    if zero.get("leaf_module") is not None:
+        out.leaf_modules = _leaf_modules(zero["leaf_module"], out)
+
+
+def _zero_plus_plus(zero: dict, out: Translated) -> None:
     hpz = zero.get("zero_hpz_partition_size", 1)
-    if not (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz >= 1):
+    if not (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz >= 0):
         raise ValueError(
-            f"zero3: zero_optimization.zero_hpz_partition_size must be a count of ranks >= 1, "
-            f"got {hpz!r}"
+            f"zero3: zero_optimization.zero_hpz_partition_size must be a count of ranks, got {hpz!r}"
         )
     if hpz > 1:
         out.options["secondary_shard"] = hpz
     if zero.get("zero_quantized_weights"):
         out.options["weight_quantization"] = "int8"
     if zero.get("zero_quantized_gradients"):
-        out.options["gradient_quantization"] = "int4"
-    for key in sorted(set(zero) & set(_BY_CONSTRUCTION)):
-        out.notes.append(f"zero_optimization.{key}: {_BY_CONSTRUCTION[key]}")
-    bucket = zero.get("reduce_bucket_size", "auto")
-    if bucket != "auto":
-        out.options["bucket_mb"] = max(int(float(bucket)) * 4 / MiB, 1 / MiB)
-    caps = [
-        zero.get(k, "auto") for k in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters")
-    ]
-    caps = [int(float(c)) * 4 for c in caps if c != "auto"]
-    if caps:
-        out.options["max_inflight_bytes"] = max(min(caps), 1)
-        out.options["prefetch_depth"] = 8  # as far ahead as the byte cap allows
-    param = zero.get("offload_param") or {}
+        out.options["gradient_quantization"] = "int4"  # DeepSpeed's qgZ sends int4
+
+
+def _offload(zero: dict, out: Translated, on_gpu: bool) -> None:
+    param = _offload_section(zero, "offload_param", "cpu_offload_param", out)
     device = param.get("device", "none")
     if device == "nvme":
-        out.shard["offload"] = Offload(params="disk", path=param.get("nvme_path"))
+        out.shard["offload"] = Offload(params="disk", path=_path(param.get("nvme_path")))
     elif device == "cpu":
         if on_gpu:
             out.shard["offload"] = Offload(params="cpu")
         else:
-            out.notes.append("offload_param.device=cpu: the model already lives in host memory")
-    elif device not in ("none", None):
-        raise ValueError(f"zero3: offload_param.device={device!r} must be cpu, nvme or none")
-    optim = zero.get("offload_optimizer") or {}
+            out.notes.append(f"zero_optimization.offload_param.device=cpu: {HOST_MEMORY}")
+    optim = _offload_section(zero, "offload_optimizer", "cpu_offload", out)
     device = optim.get("device", "none")
-    tile_mb = None
-    if zero.get("sub_group_size", "auto") != "auto":
-        tile_mb = max(int(float(zero["sub_group_size"])) * 4 / MiB, 1.0)
     if device == "nvme":
-        out.optimizer_offload = {"tier": "disk", "path": optim.get("nvme_path")}
+        out.optimizer_offload = {"tier": "disk", "path": _path(optim.get("nvme_path"))}
     elif device == "cpu":
         if on_gpu:
             out.optimizer_offload = {"tier": "cpu"}
         else:
-            out.notes.append("offload_optimizer.device=cpu: the state already lives in host memory")
-    elif device not in ("none", None):
-        raise ValueError(f"zero3: offload_optimizer.device={device!r} must be cpu, nvme or none")
-    if out.optimizer_offload is not None and tile_mb is not None:
-        out.optimizer_offload["tile_mb"] = tile_mb
+            out.notes.append(f"zero_optimization.offload_optimizer.device=cpu: {HOST_MEMORY}")
+    if out.optimizer_offload is not None and zero.get("sub_group_size", "auto") != "auto":
+        out.optimizer_offload["tile_mb"] = max(int(float(zero["sub_group_size"])) * 4 / MiB, 1.0)
 
 
-def _precision(config: dict, out: Translated) -> None:
-    bf16 = (config.get("bf16") or {}).get("enabled", False)
-    fp16_config = config.get("fp16") or {}
-    fp16 = fp16_config.get("enabled", False)
-    if fp16 is True and bf16 is True:
+def _offload_section(zero: dict, key: str, old_key: str, out: Translated) -> dict:
+    section = zero.get(key)
+    if zero.get(old_key) and section is not None:
+        raise ValueError(
+            f"zero3: zero_optimization has both {old_key!r} and {key!r} (DeepSpeed refuses that "
+            "too); keep the second"
+        )
+    if zero.get(old_key):  # the deprecated boolean: {device: cpu}
+        section = {"device": "cpu"}
+    section = section or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"zero3: zero_optimization.{key} must be a dict, got {section!r}")
+    _check_section(f"zero_optimization.{key}", section, out, unknown_is_error=True)
+    device = section.get("device", "none")
+    if device not in ("none", "cpu", "nvme", None):
+        raise ValueError(
+            f"zero3: zero_optimization.{key}.device={device!r} must be cpu, nvme or none"
+        )
+    return section
+
+
+def _path(path) -> str | None:
+    return None if path in (None, "none", "auto") else os.fspath(path)
+
+
+def _leaf_modules(section, out: Translated) -> LeafModules:
+    if not isinstance(section, dict):
+        raise ValueError(f"zero3: zero_optimization.leaf_module must be a dict, got {section!r}")
+    _check_section("zero_optimization.leaf_module", section, out, unknown_is_error=True)
+    lists = {}
+    for key in ("classes", "names", "name_suffixes"):
+        value = section.get(key, [])
+        lists[key] = [value] if isinstance(value, str) else [str(v) for v in value]
+    return LeafModules(**lists)
+
+
+def _precision(config: dict, out: Translated) -> bool:
+    """bf16 / fp16 / torch_autocast; returns whether the gathers are 2-byte."""
+    if "bf16" in config and "bfloat16" in config:
+        raise ValueError('zero3: the DeepSpeed config has both "bf16" and "bfloat16"; keep "bf16"')
+    bf16_section = config.get("bf16", config.get("bfloat16")) or {}
+    fp16_section = config.get("fp16") or {}
+    _check_section("bf16", bf16_section, out, unknown_is_error=True)
+    _check_section("fp16", fp16_section, out, unknown_is_error=True)
+    bf16 = bf16_section.get("enabled", False) is True
+    fp16 = fp16_section.get("enabled", False) is True
+    if fp16 and bf16:
         raise ValueError('zero3: the DeepSpeed config enables both "fp16" and "bf16": choose one')
-    if bf16 is True:
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if bf16_section.get(key):
+            raise ValueError(
+                f"zero3: bf16.{key}: master shards, gradients and optimizer state stay fp32 here "
+                "(a bf16 copy would change the updates); remove the key"
+            )
+    if bf16:
         out.args["bf16"] = True
-    if fp16 is True:
-        _fp16(fp16_config, out)
-
-
-_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-              "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}  # fmt: skip
+    if fp16:
+        _fp16(fp16_section, out)
+    autocast = _autocast(config.get("torch_autocast"), out)
+    if autocast is not None:
+        if bf16 or fp16:
+            raise ValueError(
+                'zero3: the DeepSpeed config enables "torch_autocast" and "bf16"/"fp16": choose one'
+            )
+        out.autocast = autocast
+        out.args["bf16" if autocast == torch.bfloat16 else "fp16"] = True
+        out.notes.append(
+            "torch_autocast: z3hf.Accelerator autocasts the forward as DeepSpeed does; "
+            "z3hf.Trainer casts the whole model instead (MixedPrecision), which rounds differently"
+        )
+    _data_types(config.get("data_types"), out, bf16=bf16, fp16=fp16)
+    return bf16 or fp16
 
 
 def _fp16(section: dict, out: Translated) -> None:
     """fp16 with dynamic loss scaling: torch's GradScaler with DeepSpeed's initial scale and
     growth window (it halves on the first overflow; DeepSpeed's hysteresis waits for a few)."""
-    unknown = sorted(set(section) - _FP16_KEYS)
-    if unknown:
-        raise ValueError(
-            f"zero3: DeepSpeed fp16 keys {unknown} are not understood; known: {sorted(_FP16_KEYS)}"
-        )
     if section.get("loss_scale", 0) not in (0, 0.0, "auto"):
         raise ValueError(
             f"zero3: fp16.loss_scale={section['loss_scale']} (a static loss scale) is not "
@@ -225,12 +340,84 @@ def _fp16(section: dict, out: Translated) -> None:
     window = section.get("loss_scale_window", "auto")
     if window != "auto":
         out.scaler["growth_interval"] = int(window)
-    for key in ("hysteresis", "consecutive_hysteresis", "min_loss_scale"):
-        if key in section:
-            out.notes.append(
-                f"fp16.{key}: torch's GradScaler halves the scale on every overflow (no "
-                "hysteresis, no floor)"
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+           "torch.float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+           "float": torch.float32, "torch.float32": torch.float32}  # fmt: skip
+
+
+def _autocast(section, out: Translated) -> torch.dtype | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"zero3: torch_autocast must be a dict, got {section!r}")
+    _check_section("torch_autocast", section, out, unknown_is_error=False)
+    if section.get("enabled", False) is not True:
+        return None  # DeepSpeed reads only "enabled" (a misspelt "enable" leaves it off there too)
+    dtype = _DTYPES.get(str(section.get("dtype", "bf16")))
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"zero3: torch_autocast.dtype={section.get('dtype')!r} must be bfloat16 or float16"
+        )
+    return dtype
+
+
+def _data_types(section, out: Translated, *, bf16: bool, fp16: bool) -> None:
+    if section is None:
+        return
+    _check_section("data_types", section, out, unknown_is_error=False)
+    wanted = section.get("param_dtype")
+    if wanted is not None:
+        model = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+        if _DTYPES.get(str(wanted)) != model:
+            raise ValueError(
+                f"zero3: data_types.param_dtype={wanted!r} disagrees with the bf16/fp16 sections "
+                "(DeepSpeed asserts they agree); fix one of them"
             )
+
+
+def _top_values(config: dict, out: Translated) -> None:
+    """The top-level keys accepted at some values only."""
+    op = str(config.get("gradient_allreduce_op", "mean")).lower()
+    if op != "mean":
+        raise ValueError(
+            f"zero3: gradient_allreduce_op={op!r}: gradients are averaged over ranks (DeepSpeed "
+            "also refuses 'sum' at stage 3); use 'mean'"
+        )
+    tp = config.get("tensor_parallel") or {}
+    size = max(int(tp.get("autotp_size", 0) or 0), int((tp.get("tp") or {}).get("tp_size", 1)))
+    if size > 1:
+        raise ValueError(
+            f"zero3: tensor_parallel size {size}: tensor parallelism is a DTensor mesh here "
+            "(see docs/guides/parallel-3d.md); remove the section"
+        )
+    if (config.get("expert_parallel") or {}).get("enabled"):
+        raise ValueError(
+            "zero3: expert_parallel: no expert parallelism here (experts are sharded like every "
+            "parameter, and leaf modules gather them together); remove the section"
+        )
+    if int(config.get("sequence_parallel_size", 1)) > 1:
+        raise ValueError(
+            "zero3: sequence_parallel_size > 1: no sequence parallelism here; remove the key"
+        )
+    data = config.get("data_efficiency") or {}
+    if data.get("enabled"):
+        raise ValueError(
+            "zero3: data_efficiency.enabled: DeepSpeed's data sampling and routing change which "
+            "samples train; remove it (or turn it off)"
+        )
+    notes = {
+        "gradient_allreduce_op": TOP["gradient_allreduce_op"][1],
+        "tensor_parallel": "size 1: " + TOP["tensor_parallel"][1],
+        "expert_parallel": "disabled",
+        "sequence_parallel_size": "1",
+        "data_efficiency": "disabled",
+    }
+    for key, text in notes.items():
+        if key in config:
+            out.notes.append(f"{key}: {text}")
 
 
 def _batch(config: dict, args, out: Translated) -> None:
@@ -249,8 +436,6 @@ def _batch(config: dict, args, out: Translated) -> None:
         out.args[field_name] = int(value)
     total = config.get("train_batch_size", "auto")
     if total != "auto" and args is not None:
-        import torch.distributed as dist
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         expected = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         if int(total) != expected:
@@ -260,16 +445,9 @@ def _batch(config: dict, args, out: Translated) -> None:
             )
 
 
-def _optimizer(optimizer: dict | None, out: Translated) -> None:
-    if optimizer is None:
-        return
-    kind = optimizer.get("type", "")
-    if kind.lower() not in ("adam", "adamw"):
-        raise ValueError(
-            f"zero3: optimizer type {kind!r}: only Adam/AdamW are translated (into "
-            "TrainingArguments' optim); set another optimizer with TrainingArguments(optim=...)"
-        )
-    params = optimizer.get("params", {})
+def _optimizer_args(spec: OptimizerSpec, out: Translated) -> None:
+    """The Trainer's AdamW settings (TrainingArguments' default optimizer is AdamW)."""
+    params = spec.params
     for key, field_name in (("lr", "learning_rate"), ("eps", "adam_epsilon"),
                             ("weight_decay", "weight_decay")):  # fmt: skip
         if params.get(key, "auto") != "auto":
@@ -279,16 +457,18 @@ def _optimizer(optimizer: dict | None, out: Translated) -> None:
         out.args["adam_beta1"], out.args["adam_beta2"] = (float(b) for b in betas)
 
 
-def _scheduler(scheduler: dict | None, out: Translated) -> None:
-    if scheduler is None:
+_LOGGED: set[tuple[str, ...]] = set()
+
+
+def _log_notes(notes: list[str]) -> None:
+    """One warning with every note, on rank 0, once per distinct set of notes in a process."""
+    key = tuple(notes)
+    if not notes or key in _LOGGED:
         return
-    kind = scheduler.get("type", "")
-    if kind not in _SCHEDULERS:
-        raise ValueError(
-            f"zero3: scheduler type {kind!r} is not translated (known: {', '.join(_SCHEDULERS)}); "
-            "set TrainingArguments(lr_scheduler_type=...) instead"
+    _LOGGED.add(key)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        logger.warning(
+            "zero3: DeepSpeed config keys accepted without a counterpart:\n  %s",
+            "\n  ".join(notes),
         )
-    out.args["lr_scheduler_type"] = _SCHEDULERS[kind]
-    warmup = scheduler.get("params", {}).get("warmup_num_steps", "auto")
-    if warmup != "auto":
-        out.args["warmup_steps"] = int(warmup)

@@ -128,9 +128,8 @@ class Trainer(transformers.Trainer):
             policy=policy,
             mode=_compile_settings(args),
             device=args.device,
+            deepspeed=translated,
         )
-        for note in translated.notes:
-            log.info("[rank %d] zero3: DeepSpeed config: %s", _rank(), note)
         named["args"] = args
         self._zero3_compiled = None
         self._zero3_syncing = True
@@ -161,6 +160,7 @@ class Trainer(transformers.Trainer):
         elif setup.policy is not None and runtime.policy != setup.policy:
             set_mixed_precision(model, setup.policy)
         mark_sharded(model)
+        setup.deepspeed.set_leaf_modules(model)  # a DeepSpeed config's leaf_module section
         return model
 
     def _zero3_building(self):
@@ -218,6 +218,14 @@ class Trainer(transformers.Trainer):
             self.optimizer = offload_optimizer(optimizer, **self._zero3.optimizer_offload)
         _check_in_backward(self.optimizer, self.args)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        schedule = self._zero3.deepspeed.lr_schedule  # a DeepSpeed config's, as DeepSpeed runs it
+        if schedule is not None and self.lr_scheduler is None:
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            self.lr_scheduler = schedule.build(optimizer, num_training_steps, warmup)
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # ------------------------------------------------------------------ training
 
@@ -279,6 +287,7 @@ class _Setup:
     policy: MixedPrecision | None
     mode: str | None
     device: torch.device
+    deepspeed: Translated  # the DeepSpeed config's translation (empty without one)
 
 
 def _next_init(cls: type, after: type):
