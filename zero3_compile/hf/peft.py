@@ -21,16 +21,15 @@ Saving:
 - ``save_adapter``: what ``PeftModel.save_pretrained`` writes. Every rank gathers the adapter
   weights that peft selects (small) and calls peft's own ``save_pretrained`` with them as the
   state dict; rank 0 writes. The base is never gathered.
-- ``merged_tensors``: ``(name, full tensor)`` of the merged model (``merge_and_unload``'s state
-  dict under the base model's names), one tensor gathered at a time: a LoRA layer's weight is its
-  full base weight plus ``get_delta_weight`` computed from the full adapter weights, all in the
-  shards' own dtype. ``save_pretrained(..., merge_adapters=True)`` writes them file by file
-  (``saving.py``); rollout engines can consume the generator directly.
+- merged: ``save_pretrained(..., merge_adapters=True)`` writes ``merge_and_unload()``'s model
+  file by file (``saving.py``), each LoRA layer's weight merged when its file is written
+  (``zero3_compile.rollout``'s plan: the base weight gathered, peft's ``get_delta_weight`` of the
+  gathered adapters added); ``zero3_compile.rollout.iter_full_parameters`` streams the same
+  tensors to a rollout engine.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 
@@ -38,9 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..frontend.loading import loading
 from ..runtime.guard import DEFAULT_TIMEOUT_S
-from ..sharding.state import ShardedParam, module_state, state_of
+from ..sharding.state import ShardedParam, state_of
 from .agreement import Agreement
 
 
@@ -102,17 +100,26 @@ def save_adapter(
 
     model = getattr(model, "_orig_mod", model)
     names = selected_adapters or list(model.peft_config)
-    entries = dict(_named_tensors(model))
+    # which tensors peft saves, asked with stand-ins on the meta device (nothing gathered yet)
+    values = dict(_named_tensors(model))
+    stand_ins = {key: _stand_in(value) for key, value in values.items()}
+    source = {id(stand_ins[key]): key for key in values}
     wanted: dict[str, object] = {}
-    for adapter in names:  # which tensors peft saves, by identity (nothing gathered yet)
+    for adapter in names:
         chosen = get_peft_model_state_dict(
             model,
-            state_dict=entries,
+            state_dict=stand_ins,
             adapter_name=adapter,
             save_embedding_layers=kwargs.get("save_embedding_layers", "auto"),
         )
-        chosen_ids = {id(v) for v in chosen.values()}
-        wanted.update({k: v for k, v in entries.items() if id(v) in chosen_ids})
+        for name, stand_in in chosen.items():
+            key = source.get(id(stand_in))
+            if key is None:
+                raise NotImplementedError(
+                    f"zero3: peft computes the adapter tensor {name!r} instead of selecting it; "
+                    "saving it from a sharded model is not supported"
+                )
+            wanted[key] = values[key]
     rank = dist.get_rank()
     agreement = Agreement("zero3_compile.hf.save_pretrained (adapter)", timeout_s=timeout_s)
     try:
@@ -143,159 +150,16 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, object]]:
                 yield dot + name, buffer
 
 
+def _stand_in(value) -> torch.Tensor:
+    if isinstance(value, ShardedParam):
+        return torch.empty(value.global_shape, dtype=value.local().dtype, device="meta")
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+
 def _full(value) -> torch.Tensor:
     from .saving import full_tensor
 
     return full_tensor(value).detach().cpu()
 
 
-# --------------------------------------------------------------------------- merged
-
-
-class MergedWeight:
-    """A LoRA layer's base weight with its active adapters merged, gathered when asked
-    (``full()``); the shapes and dtype of the base weight."""
-
-    def __init__(self, base: ShardedParam | torch.Tensor, layer: nn.Module, adapters: list[str]):
-        self.base = base
-        self.layer = layer
-        self.adapters = adapters
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(
-            self.base.spec.shape if isinstance(self.base, ShardedParam) else self.base.shape
-        )
-
-    def nbytes(self) -> int:
-        if isinstance(self.base, ShardedParam):
-            return self.base.spec.full_numel * self.base.local().element_size()
-        return self.base.numel() * self.base.element_size()
-
-    @torch.no_grad()
-    def full(self) -> torch.Tensor:
-        from .saving import full_tensor
-
-        weight = full_tensor(self.base).clone()
-        with _adapters_in_full(self.layer, self.adapters):
-            for adapter in self.adapters:
-                weight += self.layer.get_delta_weight(adapter).to(weight.dtype)
-        return weight
-
-
-@contextlib.contextmanager
-def _adapters_in_full(layer: nn.Module, adapters: list[str]) -> Iterator[None]:
-    """The layer's adapter weights read in full, in their shards' dtype, for the block: gathered
-    once each (collectives, every rank in the same order) and put where reading the attribute
-    finds them (``ShardState.LOADING`` returns ``module._parameters``)."""
-    from .saving import full_tensor
-
-    modules = []
-    for attr in layer.adapter_layer_names:
-        container = getattr(layer, attr, None)
-        if isinstance(container, nn.ModuleDict):
-            modules += [container[a] for a in adapters if a in container]
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            state = module_state(module)
-            if state is None:
-                continue
-            full = {attr: full_tensor(s) for attr, s in state.params.items()}
-            stack.enter_context(loading(module))
-            saved = {attr: module._parameters[attr] for attr in full}
-            module._parameters.update(full)
-            stack.callback(module._parameters.update, saved)
-        yield
-
-
-def merged_entries(model: nn.Module) -> tuple[nn.Module, dict[str, object]]:
-    """The base model of a ``PeftModel`` and what ``merge_and_unload().state_dict()`` would hold,
-    lazily: names of the base model, values a ``ShardedParam`` (a base weight unchanged), a
-    ``MergedWeight`` (a LoRA layer's weight) or a tensor (a buffer). Raises for adapters that
-    cannot be merged this way (other tuners than LoRA, LoRA variants such as DoRA)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import ModulesToSaveWrapper
-
-    model = getattr(model, "_orig_mod", model)
-    base = model.get_base_model()
-    entries: dict[str, object] = {}
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        dot = f"{prefix}." if prefix else ""
-        if isinstance(module, ModulesToSaveWrapper):  # the trained copy, under the plain names
-            active = module.active_adapters
-            source = module.modules_to_save[active[0]] if active else module.original_module
-            visit(source, prefix)
-            return
-        if isinstance(module, BaseTunerLayer):
-            inner = module.get_base_layer()
-            adapters = _mergeable(module, prefix)
-            for name, value in _own_tensors(inner):
-                if name == "weight" and adapters:
-                    value = MergedWeight(value, module, adapters)
-                entries[dot + name] = value
-            for name, child in inner.named_children():
-                visit(child, dot + name)
-            return
-        for name, value in _own_tensors(module):
-            entries[dot + name] = value
-        for name, child in module.named_children():
-            visit(child, dot + name)
-
-    visit(base, "")
-    return base, entries
-
-
-def _own_tensors(module: nn.Module) -> Iterator[tuple[str, object]]:
-    for name, param in module._parameters.items():
-        if param is not None:
-            yield name, state_of(param) or param
-    for name, buffer in module._buffers.items():
-        if buffer is not None and name not in module._non_persistent_buffers_set:
-            yield name, buffer
-
-
-def _mergeable(layer: nn.Module, prefix: str) -> list[str]:
-    """The layer's active adapters, each one plain LoRA (``get_delta_weight`` is its merge)."""
-    if getattr(layer, "merged", False):
-        raise ValueError(
-            f"zero3: the adapters of {prefix!r} are merged into its weight already "
-            "(merge_adapter()); unmerge them first"
-        )
-    active = [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})]
-    if not hasattr(layer, "lora_A") or (not active and layer.active_adapters):
-        raise ValueError(
-            f"zero3: {prefix!r} holds a {type(layer).__name__} adapter; merging supports LoRA "
-            "only: save the adapter instead (save_pretrained without merge_adapters)"
-        )
-    for adapter in active:
-        if adapter in getattr(layer, "lora_variant", {}) or layer.lora_bias.get(adapter, False):
-            raise ValueError(
-                f"zero3: {prefix!r}: adapter {adapter!r} is a LoRA variant (DoRA, lora_bias, ...) "
-                "that cannot be merged by zero3 yet; save the adapter instead"
-            )
-    return [] if getattr(layer, "disable_adapters", False) else active
-
-
-def merged_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(Hugging Face name, full tensor)`` of ``model`` with its LoRA adapters merged (a plain
-    model's own tensors if it has none), one gathered at a time, in the base model's
-    ``state_dict`` order (tied parameters under each of their names). Every rank iterates it to
-    the end (each sharded tensor is a collective); each gets the full tensors.
-
-    ```python
-    for name, tensor in z3hf.merged_tensors(peft_model):
-        engine.load_weights([(name, tensor)])      # a rollout engine, a layer at a time
-    ```
-    """
-    from .saving import full_tensor
-
-    if is_peft_model(model):
-        _, entries = merged_entries(model)
-    else:
-        entries = dict(_named_tensors(getattr(model, "_orig_mod", model)))
-    for name, value in entries.items():
-        yield name, value.full() if isinstance(value, MergedWeight) else full_tensor(value)
-
-
-__all__ = ["is_peft_model", "merged_tensors", "save_adapter", "sharded_runtime"]
+__all__ = ["is_peft_model", "save_adapter", "sharded_runtime"]

@@ -67,7 +67,7 @@ def save_pretrained(
     """
     from transformers.modeling_utils import _get_tied_weight_keys
 
-    from .peft import is_peft_model, merged_entries, save_adapter
+    from .peft import is_peft_model, save_adapter
 
     save_directory = os.fspath(save_directory)
     model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: the model it holds
@@ -81,7 +81,8 @@ def save_pretrained(
                 )
             save_adapter(model, save_directory, timeout_s=timeout_s)
             return [os.path.join(save_directory, "adapter_model.safetensors")]
-        model, merged = merged_entries(model)
+        merged = _merged_entries(model)
+        model = model.get_base_model()
     elif merge_adapters:
         raise ValueError(
             "zero3: save_pretrained(..., merge_adapters=True) needs a peft model (PeftModel); "
@@ -126,6 +127,37 @@ def save_pretrained(
         agreement.fail(error)
         raise
     return written
+
+
+class _Merged:
+    """A LoRA layer's weight with its adapters merged (``rollout``'s plan entry), gathered and
+    merged when its file is written."""
+
+    def __init__(self, item):
+        self.item = item
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.item.state.spec.shape)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.item.state)
+
+    def full(self) -> torch.Tensor:
+        return self.item.merge.apply(full_tensor(self.item.state))
+
+
+def _merged_entries(model: nn.Module) -> dict:
+    """``merge_and_unload()``'s state dict of a peft model, lazily (nothing gathered yet)."""
+    from ..rollout.plan import plan
+
+    entries = {}
+    for item in plan(model, "merged"):
+        if item.merge is not None:
+            entries[item.name] = _Merged(item)
+        else:  # the shared state of a tied parameter stays shared: written once
+            entries[item.name] = item.state if item.state is not None else item.tensor
+    return entries
 
 
 def _save_configs(model: nn.Module, folder: str) -> None:
@@ -181,7 +213,7 @@ def _natural(key: str):
 
 
 def _nbytes(value) -> int:
-    if hasattr(value, "nbytes") and callable(value.nbytes):  # peft.MergedWeight
+    if isinstance(value, _Merged):
         return value.nbytes()
     if isinstance(value, ShardedParam):
         return value.spec.full_numel * value.local().element_size()
@@ -226,7 +258,7 @@ def _bytes(size: int | str) -> int:
 def full_tensor(value) -> torch.Tensor:
     """The whole tensor (a collective for a sharded one: every rank calls it, in key order), in
     the parameter's own dtype (fp32 master weights stay fp32 whatever the compute dtype)."""
-    if hasattr(value, "full") and callable(value.full):  # peft.MergedWeight
+    if isinstance(value, _Merged):
         return value.full()
     if isinstance(value, ShardedParam):
         exact = replace(value.spec, param_dtype=None).literal()

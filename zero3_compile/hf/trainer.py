@@ -203,6 +203,13 @@ class Trainer(transformers.Trainer):
             accelerator.scaler = torch.amp.GradScaler(accelerator.device.type, **self._zero3.scaler)
             accelerator.native_amp = True
 
+    def _move_model_to_device(self, model, device) -> None:
+        # the shards are where shard()/from_pretrained put them: move only if they are not (a
+        # no-op .to() would still rebuild every parameter, offloaded ones included)
+        target = torch.device(device)
+        if any(not _same_device(p.device, target) for p in model.parameters()):
+            super()._move_model_to_device(model, device)
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._zero3_compiled is None:
             self._zero3_compiled = torch.compile(
@@ -337,6 +344,13 @@ def _entry_init(cls: type):
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
     __init__.__doc__ = f"``{following.__qualname__}``'s arguments, and zero3_options, zero3_config."
     return __init__
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cpu" and "cpu:0" are one device; an accelerator without an index is the current one
+    if a.type != b.type:
+        return False
+    return a.type == "cpu" or a.index is None or b.index is None or a.index == b.index
 
 
 def _rank() -> int:
