@@ -50,7 +50,7 @@ def unshard(
     parsed = ShardSpec.parse(spec)
     scheme = gather_scheme(parsed, shard.dtype)
     if scheme.communicates:
-        check_eager(parsed, guard.KIND_EAGER_GATHER, param_id, repr(parsed.fqn))
+        check_eager(parsed, guard.KIND_EAGER_GATHER, param_id, _label(parsed))
     (full,) = run_gather(scheme, EAGER, [readable(shard)], [parsed])
     return _not_aliasing(full, shard)
 
@@ -80,7 +80,7 @@ def reduce_grad(
     parsed = ShardSpec.parse(spec)
     scheme = reduce_scheme(parsed, grad.dtype, shard_dtype)
     if scheme.stages:
-        check_eager(parsed, guard.KIND_EAGER_REDUCE, param_id, repr(parsed.fqn))
+        check_eager(parsed, guard.KIND_EAGER_REDUCE, param_id, _label(parsed))
     (out,) = run_reduce(scheme, EAGER, [grad], [parsed], [list(shard_shape)])
     return _not_aliasing(out, grad)
 
@@ -368,3 +368,8 @@ def _group_label(states) -> str:
     names = [s.fqn for s in states]
     shown = ", ".join(repr(n) for n in names[:3])
     return f"of {len(names)} parameters ({shown}{', ...' if len(names) > 3 else ''})"
+
+
+def _label(spec: ShardSpec) -> str:
+    """What an eager collective of one parameter is, in a cross-rank check's error message."""
+    return f"{spec.fqn!r} of shape {tuple(spec.shape)}"

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -248,7 +250,7 @@ def run_check(
         i for i in range(len(channel.ranks)) if (int(records[i, 1]), int(records[i, 2])) != mine
     ]
     if differing:
-        raise CollectiveMismatchError(_mismatch_message(channel, records))
+        raise CollectiveMismatchError(_mismatch_message(channel, records, label))
     if presence is None:
         return None
     union = [False] * len(presence)
@@ -285,17 +287,38 @@ def _what(kind: int, code: int) -> str:
     return f"{name} {label}" if label else f"{name} (code {code:#x}, not known on this rank)"
 
 
-def _mismatch_message(channel: SideChannel, records: torch.Tensor) -> str:
+def _mismatch_message(channel: SideChannel, records: torch.Tensor, label: str) -> str:
     lines = [
         "zero3: the ranks are about to issue different collectives, which would hang them or mix "
         "unrelated buffers:"
     ]
+    whats = _peer_labels(channel, records, label)
     for i, rank in enumerate(channel.ranks):
-        kind, code, count = (int(v) for v in records[i, 1:4])
+        count = int(records[i, 3])
         you = " (this rank)" if i == channel.me else ""
-        lines.append(f"  rank {rank}{you}, check #{count}: {_what(kind, code)}")
+        lines.append(f"  rank {rank}{you}, check #{count}: {whats[i]}")
     kinds = {int(records[i, 1]) for i in range(len(channel.ranks))}
-    if kinds & {KIND_EAGER_GATHER, KIND_EAGER_REDUCE}:
+    shapes = _one_parameter_shapes(whats)
+    if shapes is not None:
+        name, by_rank = shapes
+        listed = ", ".join(f"{shape} on rank {channel.ranks[i]}" for i, shape in by_rank)
+        lines.append(
+            f"Parameter {name} has different shapes on the ranks ({listed}): the ranks built "
+            "different models (another configuration, a vocabulary resized or a module added on "
+            "some ranks only). Build the same model on every rank: zero3_compile.shard() checks "
+            "this when it shards, a module assigned to the model afterwards is sharded as each "
+            "rank has it."
+        )
+    elif len(kinds) == 1 and len(set(whats)) == 1:
+        lines.append(
+            "Each rank runs the same graph over the same parameters, but with other sizes or "
+            "dtypes: a parameter has another shape or dtype on some ranks (a model built from "
+            "another configuration, a module resized or added on some ranks after "
+            "zero3_compile.shard()), or the ranks compiled with other options. Build the same "
+            "model on every rank; an eager forward (without torch.compile) names the parameter "
+            "and its shapes."
+        )
+    elif kinds & {KIND_EAGER_GATHER, KIND_EAGER_REDUCE}:
         lines.append(
             "Parameters read by code that runs eagerly (an uncompiled model, or code split off by "
             "a graph break) are gathered at each read. When which parameters are read depends on "
@@ -312,6 +335,55 @@ def _mismatch_message(channel: SideChannel, records: torch.Tensor) -> str:
             "forward must go."
         )
     return "\n".join(lines)
+
+
+_PEER_WAIT_S = 2.0  # how long a mismatch waits for the peers' own words for their collective
+
+
+def _peer_labels(channel: SideChannel, records: torch.Tensor, label: str) -> list[str]:
+    """What each rank was about to do, in its own words: every rank that sees the mismatch
+    posts its label in the store (all of them see it, at the same check), then reads the others'
+    (a rank that does not post in time is described from the labels this rank knows)."""
+    me = channel.me
+    kind = int(records[me, 1])
+    own = f"{KIND_NAMES.get(kind, f'kind {kind}')} {label}"
+    store = default_store()
+    prefix = f"zero3/mismatch/{channel.name}/{int(records[me, 3])}/"
+    if store is not None:
+        try:
+            store.set(prefix + str(channel.ranks[me]), own)
+        except Exception:  # noqa: BLE001  - only the message would be poorer
+            store = None
+    whats = []
+    for i, rank in enumerate(channel.ranks):
+        if i == me:
+            whats.append(own)
+            continue
+        theirs = None
+        if store is not None:
+            try:
+                store.wait([prefix + str(rank)], timedelta(seconds=_PEER_WAIT_S))
+                theirs = store.get(prefix + str(rank)).decode()
+            except Exception:  # noqa: BLE001
+                theirs = None
+        whats.append(theirs or _what(int(records[i, 1]), int(records[i, 2])))
+    return whats
+
+
+_ONE_PARAMETER = re.compile(r"^eager (?:all-gather|reduce-scatter) ('.*') of shape (\(.*\))$")
+
+
+def _one_parameter_shapes(whats: list[str]):
+    """(name, [(rank index, shape)]) when every rank was about to gather (or reduce) the same
+    parameter under other shapes; else None."""
+    found = [_ONE_PARAMETER.match(w) for w in whats]
+    if not all(found):
+        return None
+    names = {m.group(1) for m in found}
+    shapes = [m.group(2) for m in found]
+    if len(names) != 1 or len(set(shapes)) == 1:
+        return None
+    return names.pop(), list(enumerate(shapes))
 
 
 def _lost_peer_message(
