@@ -46,6 +46,9 @@ MiB = 2**20
 class BudgetError(ValueError):
     """The memory budget is below what pure ZeRO-3 needs."""
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#budgeterror)"
+
 
 @dataclass
 class KeptParam:

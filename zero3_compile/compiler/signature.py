@@ -244,6 +244,9 @@ def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:
 class GeneratedOrderError(RuntimeError):
     """Inductor's generated code does not issue the collectives as scheduled."""
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#generatedordererror)"
+
 
 @dataclass(frozen=True)
 class ScheduledOrder:

@@ -30,6 +30,9 @@ _calls = itertools.count()
 class RankFailedError(RuntimeError):
     """Another rank failed at a step every rank takes part in (raised on every rank)."""
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#rankfailederror)"
+
 
 class Agreement:
     """The meeting points of one collective operation (``what``), on every rank of ``ranks``."""

@@ -119,6 +119,9 @@ class CheckpointCorruptError(ValueError):
         ```
     """
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#checkpointcorrupterror)"
+
     def __init__(self, message: str, *, file: str | None = None, problems=()):
         super().__init__(message)
         self.file = file
@@ -140,6 +143,9 @@ class PeerLostError(RuntimeError):
             print("lost ranks", error.lost)  # exit; torchrun --max-restarts restarts the job
         ```
     """
+
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#peerlosterror)"
 
     def __init__(self, message: str, *, lost=()):
         super().__init__(message)

@@ -48,6 +48,9 @@ class OffloadError(OSError):
         ```
     """
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#offloaderror)"
+
 
 class SourceFile:
     """A file some regions' committed values still are the bytes of (the checkpoint a loader read

@@ -85,6 +85,9 @@ class CollectiveMismatchError(RuntimeError):
         ```
     """
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#collectivemismatcherror)"
+
 
 class SideChannel:
     """A gloo communicator over ``ranks`` (global ranks, sorted) and its running check count."""

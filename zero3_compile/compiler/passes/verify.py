@@ -18,6 +18,9 @@ from ..node_keys import ROLE
 class ScheduleError(AssertionError):
     """A pass broke an invariant of the schedule (a bug in zero3_compile, please report it)."""
 
+    def __str__(self) -> str:  # the message, then where the docs explain it
+        return f"{super().__str__()}\n(docs/troubleshooting.md#scheduleerror)"
+
 
 def verify(
     gm: fx.GraphModule, ctx: PassContext, *, lowered: bool = False, guarded: bool = False
