@@ -84,6 +84,12 @@ def from_pretrained(model_class, pretrained_model_name_or_path, *model_args, **k
     ``device``, ``leaf_modules``, ``sync_timeout_s``, ``offload``. Not supported with it:
     ``device_map``, ``tp_plan``/``distributed_config``, quantization, DeepSpeed's
     ``HfDeepSpeedConfig`` (the model would be placed or sharded by them instead).
+
+    Example:
+        ```python
+        model = z3hf.from_pretrained(AutoModelForCausalLM, "path/to/model", torch_dtype=torch.bfloat16)
+        model = z3hf.from_pretrained(AutoModelForCausalLM, path, offload=z3.Offload(params="disk"))
+        ```
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

@@ -68,6 +68,15 @@ class Trainer(transformers.Trainer):
     Every other argument is the base class's, by keyword or by position. Mixed with another
     ``transformers.Trainer`` subclass (a TRL trainer, in either order: ``zero3_compile.hf.trl``
     has the usual ones), the other class's own arguments are unchanged.
+
+    Example:
+        ```python
+        model = z3hf.from_pretrained(AutoModelForCausalLM, "path/to/model")  # or any model
+        trainer = z3hf.Trainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
+                               zero3_options={"bucket_mb": 25})  # or zero3_config="ds_config.json"
+        trainer.train(resume_from_checkpoint=True)
+        trainer.save_model("out/final")  # a normal Hugging Face folder
+        ```
     """
 
     _zero3_args_class: type | None = None  # default arguments when none are given (TRL's config)
