@@ -28,16 +28,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="z3hf-trainer-out")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4, help="of the tiny GPT-2 (tests: 1)")
     parser.add_argument("--zero3-config", help="a DeepSpeed ZeRO-3 config to translate")
     parser.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--resume", action="store_true")
     return parser.parse_args()
 
 
-def tiny_gpt2(folder: str) -> str:
+def tiny_gpt2(folder: str, layers: int) -> str:
     if dist.get_rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
         torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=4, n_head=4, n_embd=128, vocab_size=256,
+        config = transformers.GPT2Config(n_layer=layers, n_head=4, n_embd=128, vocab_size=256,
                                          n_positions=256)  # fmt: skip
         transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     dist.barrier()
@@ -54,7 +55,7 @@ def text_dataset(vocab: int, seq: int) -> list[dict]:
 def main() -> None:
     args = parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    path = args.model or tiny_gpt2(os.path.join(args.out, "initial-model"))
+    path = args.model or tiny_gpt2(os.path.join(args.out, "initial-model"), args.layers)
     model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, path)
     training_args = transformers.TrainingArguments(
         output_dir=args.out,
