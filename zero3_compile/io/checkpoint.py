@@ -177,9 +177,12 @@ def save_checkpoint(
 
     It leaves the model and optimizer as they are (an optimizer that has not stepped yet keeps
     no state); inside a gradient-sync-off window it saves the shards and optimizer state, without
-    the gradients pending for the next step. Example::
+    the gradients pending for the next step.
 
+    Example:
+        ```python
         z3.save_checkpoint("ckpt/step-100", model, opt, rank_state={"step": 100})
+        ```
     """
     path = os.fspath(path)
     call = _next_call("save")
