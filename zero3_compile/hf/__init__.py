@@ -6,20 +6,22 @@
   (``saving.py``);
 - ``z3hf.Trainer``: a drop-in ``transformers.Trainer`` (``trainer.py``), configured by
   ``zero3_options`` or a DeepSpeed ZeRO-3 config (``deepspeed_config.py``);
-- ``z3hf.prepare(accelerator, model, ...)``: for your own loop under ``accelerate launch``
-  (``accelerate.py``).
+- ``z3hf.Accelerator``: accelerate's ``Accelerator`` for your own loop, unchanged otherwise
+  (also under ``accelerate launch --use_deepspeed``); ``z3hf.prepare(accelerator, model, ...)``
+  does the same with a plain one (``accelerate.py``).
 
 Needs the ``hf`` extra (``pip install zero3_compile[hf]``: transformers, accelerate, safetensors);
 the core package never imports this one.
 """
 
-from .accelerate import accumulate, prepare
+from .accelerate import Accelerator, accumulate, prepare
 from .deepspeed_config import translate as translate_deepspeed_config
 from .loading import from_pretrained
 from .saving import save_pretrained
 from .trainer import Trainer
 
 __all__ = [
+    "Accelerator",
     "Trainer",
     "accumulate",
     "from_pretrained",
