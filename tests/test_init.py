@@ -59,10 +59,21 @@ def _materialize_one(init: str, train: bool) -> dict:
     return out
 
 
+def _unseeded(rank) -> dict:
+    """Each rank draws its own initial values: every rank keeps rank 0's."""
+    torch.manual_seed(rank)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    z3.shard(model)
+    z3.materialize(model)
+    return z3.full_state_dict(model)
+
+
 def _materialize(rank, world_size):
     return {
         "init_fn": _materialize_one("init_fn", train=True),
         "reset_parameters": _materialize_one("reset_parameters", train=False),
+        "unseeded": _unseeded(rank),
     }
 
 
@@ -98,6 +109,13 @@ def test_materialize_with_init_fn_equals_unsharded_init_and_stays_within_shard_m
 
 def test_materialize_with_reset_parameters_equals_unsharded_init():
     _check("reset_parameters")
+
+
+def test_materialize_on_ranks_without_a_common_seed_keeps_rank_0s_values():
+    torch.manual_seed(0)  # what rank 0 drew
+    want = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)).state_dict()
+    for values in results("unseeded"):
+        assert all(torch.equal(values[k], v) for k, v in want.items())
 
 
 def test_module_without_reset_parameters_needs_init_fn(fake_pg):

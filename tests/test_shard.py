@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 
 import pytest
 import torch
@@ -165,3 +166,133 @@ def test_layout_math_matches_torch_chunk(shape):
             assert spec.local_shape(rank) == tuple(expected.shape)
             assert torch.equal(spec.chunk(full, rank), expected)
         assert spec.padded_numel * world >= spec.full_numel
+
+
+# ------------------------------------------------------------------ where training starts (2 ranks)
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    model[1].running_mean.fill_(float(seed))  # a buffer each rank sets its own way
+    return model
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _train(model, optimizer, steps, rank=0, world=1):
+    for step in steps:
+        x = _batch(step).chunk(world)[rank]
+        model(x).pow(2).mean().backward()  # the ranks' mean of equal halves: the batch's mean
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _start_and_optimizer_scenarios(rank, world):
+    out = {}
+    # ranks initialise differently: every rank starts from rank 0's parameters and buffers
+    model = z3.shard(_mlp(seed=rank))
+    out["start"] = z3.full_state_dict(model)
+    out["running_mean"] = model[1].running_mean.clone()
+    out["start_unsynced"] = z3.full_state_dict(z3.shard(_mlp(seed=rank), sync_module_states=False))
+
+    # an optimizer built (and stepped) before shard() trains the sharded model
+    model = _mlp(seed=0).eval()  # eval: batch statistics would differ per rank's half
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, optimizer, [0])
+    first = weakref.ref(next(iter(model.parameters())))
+    z3.shard(model)
+    out["original_freed"] = first() is None
+    out["holds_shards"] = all(
+        p is q for p, q in zip(optimizer.param_groups[0]["params"], model.parameters())
+    )
+    _train(model, optimizer, [1, 2], rank, world)
+    out["before_shard"] = z3.full_state_dict(model)
+
+    # ... and one built after shard() from parameters kept from before it
+    model = _mlp(seed=0).eval()
+    kept = list(model.parameters())
+    z3.shard(model)
+    optimizer = torch.optim.Adam(kept, lr=0.1)
+    del kept
+    _train(model, optimizer, [0, 1, 2], rank, world)
+    out["kept_originals"] = z3.full_state_dict(model)
+
+    # param groups built from module attributes after shard()
+    model = z3.shard(_mlp(seed=0).eval())
+    optimizer = torch.optim.Adam(
+        [{"params": [model[0].weight, model[0].bias]}, {"params": [model[2].weight]}], lr=0.1
+    )
+    optimizer.add_param_group({"params": model[2].bias, "lr": 0.1})
+    optimizer.add_param_group({"params": model[1].parameters(), "lr": 0.1})
+    out["attribute_groups_hold_shards"] = [
+        p is model._modules[m]._parameters[n]
+        for (m, n), p in zip(
+            [("0", "weight"), ("0", "bias"), ("2", "weight"), ("2", "bias"), ("1", "weight")],
+            [p for group in optimizer.param_groups for p in group["params"]],
+        )
+    ]
+    _train(model, optimizer, [0, 1, 2], rank, world)
+    out["attribute_groups"] = z3.full_state_dict(model)
+
+    # a state that cannot be cut into shards (Adafactor's factored rows): the step says so
+    model = _mlp(seed=0).eval()
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=0.1)
+    _train(model, optimizer, [0])
+    z3.shard(model)
+    try:
+        _train(model, optimizer, [1], rank, world)
+        out["uncuttable"] = "stepped"
+    except RuntimeError as error:
+        out["uncuttable"] = str(error)
+    return out
+
+
+@functools.cache
+def start_and_optimizer_results():
+    return run_ranks(_start_and_optimizer_scenarios, 2, timeout=300)
+
+
+def _reference_training(steps) -> dict[str, torch.Tensor]:
+    model = _mlp(seed=0).eval()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, optimizer, steps)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _close(got: dict, want: dict) -> bool:
+    return all(torch.allclose(got[k], want[k], atol=1e-6) for k in got)
+
+
+def test_ranks_that_initialise_differently_start_from_rank_0s_parameters_and_buffers():
+    rank0 = _mlp(seed=0).state_dict()
+    for out in start_and_optimizer_results():
+        assert all(torch.equal(v, rank0[k]) for k, v in out["start"].items())
+        assert torch.equal(out["running_mean"], torch.zeros(6))  # rank 0's buffer everywhere
+        # sync_module_states=False trusts the ranks: here each kept its own rows (a mix)
+        mixed = out["start_unsynced"]["0.weight"]
+        assert torch.equal(mixed[:3], rank0["0.weight"][:3])
+        assert not torch.equal(mixed[3:], rank0["0.weight"][3:])
+
+
+def test_an_optimizer_built_before_shard_is_repointed_to_the_shards_and_trains():
+    want = _reference_training([0, 1, 2])
+    for out in start_and_optimizer_results():
+        assert out["holds_shards"] and out["original_freed"]
+        assert _close(out["before_shard"], want)
+        assert _close(out["kept_originals"], want)
+
+
+def test_param_groups_built_from_module_attributes_hold_the_shards_and_train():
+    want = _reference_training([0, 1, 2])
+    for out in start_and_optimizer_results():
+        assert out["attribute_groups_hold_shards"] == [True] * 5
+        assert _close(out["attribute_groups"], want)
+
+
+def test_an_optimizer_state_that_cannot_be_sharded_raises_at_the_step():
+    for out in start_and_optimizer_results():
+        assert out["uncuttable"].startswith("zero3: an optimizer built before")
+        assert "row_var" in out["uncuttable"] and "after shard()" in out["uncuttable"]

@@ -11,6 +11,7 @@ mesh, the policy, the cross-rank check, the offload store) is the model's runtim
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -23,11 +24,12 @@ from ..compat import group_backend
 from ..offload.grads import spool_gradients
 from ..offload.params import Offload, offload_model, open_store
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
-from ..runtime.optimizers import watch_optimizers
+from ..runtime.optimizers import mark_replaced, repoint_optimizers_holding, watch_optimizers
 from ..runtime.root import Zero3Runtime
 from ..sharding.layout import TensorParallelLayout, model_parallel_mesh, register_mesh_dims
 from ..sharding.mesh import DataParallelMesh
 from ..sharding.state import ModuleState, ShardedParam, param_id_of
+from .broadcast import agree_on, broadcast_from, describe_tensors, source_rank
 from .classes import is_sharded_module, make_sharded
 from .leaves import check_leaf_modules, detected_leaves, set_leaf_modules
 from .mixed_precision import MixedPrecision, install_hooks
@@ -49,6 +51,7 @@ def shard(
     leaf_modules: Iterable[type | nn.Module] | None = None,
     sync_timeout_s: float = DEFAULT_TIMEOUT_S,
     offload: Offload | None = None,
+    sync_module_states: bool = True,
 ) -> nn.Module:
     """Shard every parameter of ``module`` in place along dim 0 over ``group``; return ``module``.
 
@@ -69,6 +72,25 @@ def shard(
     sync_timeout_s: how long a rank waits for the others at a cross-rank check before raising.
     offload: ``Offload(params="disk" | "cpu", grads="disk" | "cpu", path=...)``: where parameter
         and gradient shards live between uses (see ``zero3_compile.offload``).
+    sync_module_states: every rank starts from the first rank of the mesh's parameter and
+        buffer values (one broadcast of the model, as DDP and DeepSpeed do), so ranks that
+        initialised differently (no common seed) still train one model. Parameters on the
+        ``meta`` device are skipped (``materialize`` broadcasts what it initialises). ``False``
+        skips the broadcast: only where every rank is known to hold the same values (a huge
+        model loaded from one file by every rank).
+
+    An optimizer built over the model's parameters before ``shard`` is re-pointed to the
+    sharded parameters (its state sharded with them); so is one built later from parameters
+    read as attributes (``[layer.weight]``). Building it after ``shard`` from
+    ``model.parameters()`` remains the plainest way.
+
+    Example:
+        ```python
+        dist.init_process_group()
+        model = z3.shard(MyModel())  # every rank starts from rank 0's values
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # the shards
+        step_model = torch.compile(model, backend="zero3")
+        ```
     """
     _check_can_shard(module)
     policy = _policy(param_dtype, reduce_dtype, mp_policy)
@@ -80,6 +102,9 @@ def shard(
     device = _shard_device(first_device, requested, group or dist.group.WORLD)
     dp = DataParallelMesh.resolve(group, mesh, device.type)
     root = Zero3Runtime(dp, policy, device, sync_timeout_s)
+    root.sync_module_states = bool(sync_module_states)
+    if sync_module_states:
+        start_from_first_rank(module, named, dp)
     if offload is not None:
         offload.validate(device)
         root.offload = offload if offload.params is not None else None
@@ -91,8 +116,11 @@ def shard(
     canonical = {}  # id(original parameter) -> first name
     for name, param in named:
         canonical.setdefault(id(param), name)
+    count = len(named)
+    del named  # the originals an optimizer built before shard() still holds: see below
     states: dict[int, ShardedParam] = {}  # id(original parameter) -> state
     owned: list[tuple[str, nn.Module, dict[str, ShardedParam]]] = []
+    originals: list[weakref.ref] = []  # parameters replaced by new objects (see shard_parameter)
     for prefix, sub in module.named_modules():
         own = {}
         for attr, param in list(sub._parameters.items()):
@@ -102,16 +130,18 @@ def shard(
             if state is None:
                 state = shard_parameter(param, canonical[id(param)], root, tp_mesh)
                 states[id(param)] = state
+                if state.param is not param:
+                    originals.append(weakref.ref(param))
             state.tied = state.tied or canonical[id(param)] != f"{prefix}.{attr}".lstrip(".")
             sub._parameters[attr] = state.param
             own[attr] = state
         owned.append((prefix, sub, own))
+    param = None  # noqa: F841  (no reference of ours keeps an original alive)
     if root.offload is not None:  # before the classes are made: the specs say so
         if first_device.type == "meta":  # filled by materialize() or a loader, shard by shard
             root.offload_store = open_store(root, root.offload, device)
         else:
             offload_model(root, list(states.values()), root.offload, device)
-        watch_optimizers()
     if spools_grads:
         spool_gradients(root, list(states.values()), offload, device)
     if root.offload is not None or spools_grads:
@@ -130,14 +160,33 @@ def shard(
     set_leaf_modules(module, list(leaf_modules or ()) + detected_leaves(module))
     if root.offload is not None:
         install_offload_state_dict_hooks(module)
+    watch_optimizers()  # re-points an optimizer holding the originals at its first step
+    repoint_optimizers_holding(originals)
     log.debug(
         "[rank %d] zero3: sharded %d parameters (%d unique) over %d ranks",
         dist.get_rank(),
-        len(named),
+        count,
         len(states),
         dp.shard_size,
     )
     return module
+
+
+def start_from_first_rank(module: nn.Module, named: list, dp: DataParallelMesh) -> None:
+    """The mesh's first rank's values of every parameter and buffer of ``module`` on every rank
+    of the mesh (one bucketed broadcast); tensors on ``meta`` are left alone. The ranks check
+    first that they hold the same tensors."""
+    seen, listed, values = set(), [], []
+    for name, tensor in [*named, *module.named_buffers(remove_duplicate=False)]:
+        if tensor is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        listed.append((name, tensor))
+        if tensor.device.type != "meta":
+            local = tensor.detach()
+            values.append(local._local_tensor if isinstance(local, DTensor) else local)
+    agree_on(dp, describe_tensors(listed), "parameters and buffers at zero3_compile.shard()")
+    broadcast_from(values, dp, source_rank(dp, None))
 
 
 def shard_parameter(
@@ -145,8 +194,10 @@ def shard_parameter(
 ) -> ShardedParam:
     """The sharded parameter of ``param``: this rank's rows as the parameter's ``DTensor``.
 
-    The user's ``nn.Parameter`` object itself becomes the sharded parameter (its contents are
-    swapped), so references held elsewhere (an optimizer built too early) stay valid. A
+    Where torch can swap the contents of the user's ``nn.Parameter`` for the ``DTensor`` it
+    becomes the sharded parameter itself; where it cannot (a plain ``Parameter`` and a ``DTensor``
+    parameter have different layouts: torch 2.13 refuses) the original is marked with its
+    replacement, and an optimizer still holding it is re-pointed (``runtime/optimizers.py``). A
     tensor-parallel ``DTensor`` parameter, and beside one (``tp_mesh``) a plain parameter, is laid
     out as [Note: zero3 over tensor parallelism] says.
     """
@@ -172,8 +223,8 @@ def shard_parameter(
     try:
         torch.utils.swap_tensors(param, sharded)
         sharded = param
-    except RuntimeError:  # a weak reference to the original (rare): keep the new object
-        pass
+    except RuntimeError:  # the layouts differ (a plain Parameter and a DTensor): a new object
+        mark_replaced(param, sharded)
     state = ShardedParam(
         param_id=param_id_of(fqn, full.shape),
         spec=spec,

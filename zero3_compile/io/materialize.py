@@ -11,15 +11,19 @@ Each module's parameters are created full-size, initialised by ``init_fn(module)
 its shards plus the parameters of one module. Modules are visited in ``model.apply`` order, so
 with the same seed the values equal the unsharded model's after
 ``model.to_empty(device=...); model.apply(init_fn)`` (or ``reset_parameters()`` in that order).
+Unless ``shard(sync_module_states=False)``, every rank keeps the first rank's initial values (one
+broadcast per module, then one of the buffers), so ranks without a common seed agree.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
+from ..frontend.broadcast import broadcast_from, source_rank
 from ..frontend.classes import base_class
 from ..offload.params import loaded, register_loaded
 from ..sharding.state import module_state, state_of
@@ -38,14 +42,27 @@ def materialize(
         z3.materialize(model, init_fn=model._init_weights)  # one module at a time
         ```
     """
-    _apply_post_order(model, lambda module: _materialize_module(module, init_fn))
+    workspace = _Workspace()
+    _apply_post_order(model, lambda module: _materialize_module(module, init_fn, workspace))
     for name, buffer in list(model.named_buffers()):
         if buffer.device.type == "meta":
             raise ValueError(
                 f"zero3: buffer {name!r} is still on the meta device; initialise buffers yourself "
                 "(e.g. in init_fn, or register them as non-persistent and recompute them)"
             )
+    root = _runtime(model)
+    if root is not None and root.sync_module_states:
+        buffers = [b.detach() for b in model.buffers()]
+        broadcast_from(buffers, root.dp, source_rank(root.dp, None), coalesce=False)
     return model
+
+
+def _runtime(model: nn.Module):
+    for module in model.modules():
+        state = module_state(module)
+        if state is not None:
+            return state.root
+    return None
 
 
 def _apply_post_order(module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
@@ -54,7 +71,36 @@ def _apply_post_order(module: nn.Module, fn: Callable[[nn.Module], None]) -> Non
     fn(module)
 
 
-def _materialize_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
+class _Workspace:
+    """One buffer that holds the full parameters of each module in turn. Reused rather than
+    allocated per module: a collective (the first rank's broadcast) may hold on to its tensors a
+    moment after it completes (gloo's worker thread lets go of them later), which with fresh
+    tensors would keep the previous module's full parameters alive beside the next one's."""
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def tensors(self, specs: list[tuple[tuple, torch.dtype]], device) -> list[torch.Tensor]:
+        sizes = [
+            -(-math.prod(shape) * dtype.itemsize // self._ALIGN) * self._ALIGN
+            for shape, dtype in specs
+        ]
+        if self.buffer is None or self.buffer.numel() < sum(sizes) or self.buffer.device != device:
+            self.buffer = None
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        out, offset = [], 0
+        for (shape, dtype), size in zip(specs, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append(self.buffer[offset : offset + nbytes].view(dtype).view(shape))
+            offset += size
+        return out
+
+
+def _materialize_module(
+    module: nn.Module, init_fn: Callable[[nn.Module], None] | None, workspace: _Workspace
+) -> None:
     state = module_state(module)
     own = {
         name: param
@@ -68,12 +114,12 @@ def _materialize_module(module: nn.Module, init_fn: Callable[[nn.Module], None] 
     swapped_class = type(module)
     base = base_class(module)
     device = _target_device(own.values())
+    storage = workspace.tensors(
+        [(state.params[name].full_shape, p.dtype) for name, p in own.items()], device
+    )
     full = {
-        name: nn.Parameter(
-            torch.empty(state.params[name].full_shape, dtype=p.dtype, device=device),
-            requires_grad=p.requires_grad,
-        )
-        for name, p in own.items()
+        name: nn.Parameter(tensor, requires_grad=p.requires_grad)
+        for (name, p), tensor in zip(own.items(), storage)
     }
     # run the initialiser on a plain module holding full-size parameters
     module.__class__ = base
@@ -93,6 +139,9 @@ def _materialize_module(module: nn.Module, init_fn: Callable[[nn.Module], None] 
         values = {name: module._parameters[name].detach() for name in own}
         module._parameters.update(own)
         module.__class__ = swapped_class
+    root = state.root
+    if root.sync_module_states:  # the first rank's initial values on every rank
+        broadcast_from(list(values.values()), root.dp, source_rank(root.dp, None), coalesce=False)
     for name, param in own.items():
         _keep_local_chunk(param, values[name], device)
 

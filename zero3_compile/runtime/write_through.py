@@ -94,6 +94,11 @@ def _eager_torch_function(func, args, kwargs):
     access = _descriptor_access(func)
     if access == ("grad", "__get__"):
         return args[0]._zero3_link.state.param.grad
+    if access == ("is_leaf", "__get__") and whole_parameter(args[0]) is not None:
+        from .optimizers import optimizer_param
+
+        if optimizer_param(args[0]):  # handed to an optimizer: it holds the sharded parameter
+            return True
     if access == ("_base", "__get__"):
         # plain: a linked base would be a fresh view of it, whose _base is another (torch 2.11's
         # dynamo follows _base chains of its inputs to the end)
@@ -142,7 +147,20 @@ def _wrap(tensor: torch.Tensor, link: _Link) -> GatheredParameter:
 
 def gathered_parameter(full: torch.Tensor, state: ShardedParam) -> GatheredParameter:
     """Wrap an eagerly gathered full parameter so that writes to it reach ``state``'s shard."""
-    return _wrap(full, _Link(full, state))
+    out = _wrap(full, _Link(full, state))
+    out.__dict__[_WHOLE] = True
+    return out
+
+
+_WHOLE = "_zero3_whole"
+
+
+def whole_parameter(value) -> torch.Tensor | None:
+    """The sharded parameter ``value`` is the whole eager read of (``module.weight``, not a view
+    of it); None for anything else."""
+    if isinstance(value, GatheredParameter) and value.__dict__.get(_WHOLE):
+        return value._zero3_link.state.param
+    return None
 
 
 class GatheredDTensor(DTensor):
