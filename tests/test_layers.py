@@ -1,9 +1,10 @@
 """The package's layers import only the layers beneath them (read from the source, no imports run).
 
 sharding -> offload -> runtime -> collectives -> compiler -> frontend -> io -> tools -> rollout
--> hf -> parallel -> verl (the integrations; rollout sits below hf so that hf may export merged
-weights with it): a module may import its own layer and those before it. So the tools and the
-integrations are never imported by the core, and the compiler never imports the frontend.
+-> hf -> deepspeed -> parallel -> verl (the integrations; rollout sits below hf so that hf may
+export merged weights with it): a module may import its own layer and those before it. So the
+tools and the integrations are never imported by the core, and the compiler never imports the
+frontend.
 ``compat.py`` (torch version differences) is beneath everything; the package's ``__init__`` and the
 command-line aliases (``inspect/``, ``estimate/``) are the public face and may import anything.
 """
@@ -28,6 +29,7 @@ LAYERS = [
     "tools",
     "rollout",
     "hf",
+    "deepspeed",
     "parallel",
     "verl",
 ]
