@@ -187,12 +187,48 @@ def _checkpoint(rank, world, path) -> dict:
     return {k: v for k, v in z3.full_state_dict(model).items()}
 
 
+def _offloaded(rank, world, path) -> dict:
+    """The accessors on shards offloaded by shard(offload=...) and by offload_states()."""
+    out = {}
+    for how in ("in memory", "shard(offload=)", "offload_states"):
+        offload = z3.Offload(params="disk", grads="disk", path=f"{path}-{rank}")
+        model = z3.shard(_model(), **({"offload": offload} if how == "shard(offload=)" else {}))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            _loss(model, _batch().chunk(world)[rank]).backward()
+            optimizer.step()
+        if how == "offload_states":
+            z3ds.offload_states(model, optimizer, device="disk", path=f"{path}-states-{rank}")
+        weight = model._modules["0"]._parameters["weight"]
+        got = {
+            "param": z3ds.safe_get_full_fp32_param(weight),
+            "local": z3ds.safe_get_local_fp32_param(weight),
+            "grad": z3ds.safe_get_full_grad(weight),
+            "exp_avg": z3ds.safe_get_full_optimizer_state(weight, "exp_avg"),
+        }
+        z3ds.safe_set_full_fp32_param(weight, torch.arange(24.0))
+        z3ds.safe_set_local_optimizer_state(weight, torch.full((12,), float(rank)), "exp_avg")
+        z3ds.safe_set_full_grad(weight, torch.ones(6, 4))
+        got["set"] = [
+            z3ds.safe_get_full_fp32_param(weight),
+            z3ds.safe_get_full_optimizer_state(weight, "exp_avg"),
+            z3ds.safe_get_full_grad(weight),
+        ]
+        if how == "offload_states":
+            z3ds.reload_states(model, optimizer)
+        got["after"] = z3.full_state_dict(model)["0.weight"]
+        out[how] = got
+    return out
+
+
 def _scenarios(rank, world, path) -> dict:
     return {
         "gathered": _gathered_writes(rank, world),
         "accessors": _accessors(rank, world),
         "loss_scale": _loss_scale(rank, world),
         "checkpoint": _checkpoint(rank, world, path),
+        "offloaded": _offloaded(rank, world, path + "-offload"),
     }
 
 
@@ -285,6 +321,17 @@ def test_safe_set_full_and_local_values_reach_the_shards(results):
         assert torch.equal(out["after_sgd"], torch.arange(24.0).view(6, 4) - 0.5)
         assert torch.equal(out["updated_grad"], torch.full((6, 4), 3.0))
         assert "accumulating gradients with gradient sync off" in out["pending"]
+
+
+def test_the_accessors_read_and_write_offloaded_shards_and_states(results):
+    for out in _part(results, "offloaded"):
+        want = out["in memory"]
+        assert torch.equal(want["after"], torch.arange(24.0).view(6, 4))
+        for how in ("shard(offload=)", "offload_states"):
+            got = out[how]
+            for key in ("param", "local", "grad", "exp_avg", "after"):
+                assert torch.equal(got[key], want[key]), (how, key)
+            assert all(torch.equal(a, b) for a, b in zip(got["set"], want["set"])), how
 
 
 # ------------------------------------------------------------------ static loss scale

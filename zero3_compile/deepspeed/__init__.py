@@ -9,6 +9,8 @@
   (``fragments.py``);
 - ``LossScaler``: a static fp16 loss scale, DeepSpeed's ``"fp16": {"loss_scale": N}``
   (``loss_scale.py``);
+- ``offload_states(model, optimizer)`` / ``reload_states(model, optimizer)``: DeepSpeed's
+  ``engine.offload_states()`` / ``reload_states()`` between RLHF phases (``z3.offload_states``);
 - ``python -m zero3_compile.deepspeed.zero_to_fp32 CKPT OUT``: a ``z3.save_checkpoint``
   directory as one consolidated safetensors (or ``.bin``) file, offline
   (``zero_to_fp32.py``; also ``convert_zero_checkpoint_to_fp32_state_dict`` and
@@ -18,6 +20,7 @@ The DeepSpeed package itself is not needed (nor imported). The mapping of each D
 its zero3 counterpart: ``docs/guides/deepspeed-api.md``.
 """
 
+from ..offload import offload_states, reload_states
 from .fragments import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -42,6 +45,8 @@ _CHECKPOINT_NAMES = (
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "offload_states",
+    "reload_states",
 )
 
 
@@ -59,6 +64,8 @@ __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "offload_states",
+    "reload_states",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
