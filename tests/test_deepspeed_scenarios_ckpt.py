@@ -12,7 +12,9 @@ have a counterpart here, on 2 gloo ranks, each compared bit for bit with a run t
 - a save (and a full state dict) inside a gradient-accumulation window, where the pending
   gradients stay with the training (``test_save_before_accum_grad_is_done``).
 
-Saving at another world size (2 to 3, and into offloaded state) is in ``test_checkpoint.py``.
+- another world size: saved at 1 rank and resumed at 2, saved at 2 and resumed in one process
+  without sharding (DeepSpeed's elastic ``test_elastic_checkpoint_change_dp``; 2 to 3 ranks and
+  into offloaded state are in ``test_checkpoint.py``), equal to the run that went on where it was.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import torch.nn.functional as F
 import zero3_compile as z3
 
 from .dist_utils import run_ranks
+from .training import rel_diff
 
 STEPS = 3
-PER_RANK = 2
+GLOBAL_BATCH = 4  # split over the ranks: the same data at any world size
 
 
 def _model(frozen: bool = False, seed: int = 11) -> nn.Module:
@@ -51,11 +54,9 @@ def _adam(model: nn.Module) -> torch.optim.Optimizer:
 
 def _batch(rank: int, world: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    x, y = (
-        torch.randn(world * PER_RANK, 6, generator=gen),
-        torch.randn(world * PER_RANK, 3, generator=gen),
-    )
-    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    x, y = torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+    per_rank = GLOBAL_BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
     return x[mine], y[mine]
 
 
@@ -75,7 +76,10 @@ def _train(model, opt, rank, world, first: int, steps: int = STEPS, micro: int =
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _optim(model, opt) -> dict[str, torch.Tensor]:
@@ -153,6 +157,7 @@ def _resume(rank, world, folder, frozen: bool, micro: int) -> dict:
     full_path = os.path.join(folder, f"full-{frozen}-{micro}.pt")
     z3.save_full_state_dict(full_path, model)
     _train(model, opt, rank, world, STEPS, micro=micro)
+    out["went_on"] = _params(model)
     fresh = z3.shard(_model(frozen, seed=99))
     fresh_opt = _adam(fresh)
     z3.load_checkpoint(path, fresh, fresh_opt)
@@ -216,8 +221,28 @@ def _inside_gathered(rank, world, folder) -> dict:
     return {"error": error}
 
 
+def _one_rank(rank, world, folder) -> dict:
+    """At one rank: train, save, train on."""
+    model = z3.shard(_model())
+    opt = _adam(model)
+    _train(model, opt, rank, world, 0)
+    z3.save_checkpoint(os.path.join(folder, "one-rank"), model, opt)
+    _train(model, opt, rank, world, STEPS)
+    return _params(model)
+
+
+def _from_one_rank(rank, world, folder) -> dict:
+    model = z3.shard(_model(seed=99))
+    opt = _adam(model)
+    z3.load_checkpoint(os.path.join(folder, "one-rank"), model, opt)
+    _train(model, opt, rank, world, STEPS)
+    return _params(model)
+
+
 def _all(rank, world, folder) -> dict:
-    out = {"before_first_step": _outcome(lambda: _before_the_first_step(rank, world, folder))}
+    out = {"from_one_rank": _outcome(functools.partial(_from_one_rank, rank, world, folder))}
+    dist.barrier()
+    out["before_first_step"] = _outcome(lambda: _before_the_first_step(rank, world, folder))
     dist.barrier()
     for frozen, micro in ((False, 1), (True, 2)):
         out[("resume", frozen, micro)] = _outcome(
@@ -234,9 +259,14 @@ def _all(rank, world, folder) -> dict:
 
 
 @functools.cache
-def _results() -> list[dict]:
+def _folder_and_results() -> tuple[str, dict, list[dict]]:
     folder = tempfile.mkdtemp(prefix="zero3-ds-ckpt-")
-    return run_ranks(_all, 2, folder, timeout=600)
+    (one_rank,) = run_ranks(_one_rank, 1, folder, timeout=600)
+    return folder, one_rank, run_ranks(_all, 2, folder, timeout=600)
+
+
+def _results() -> list[dict]:
+    return _folder_and_results()[2]
 
 
 def _part(key) -> list[dict]:
@@ -244,6 +274,33 @@ def _part(key) -> list[dict]:
     for part in parts:
         assert isinstance(part, dict), part  # an error string: the scenario raised
     return parts
+
+
+def _close(got: dict, want: dict) -> bool:
+    # another world size sums the gradients in another order: equal up to rounding
+    return got.keys() == want.keys() and all(rel_diff(got[k], want[k]) <= 1e-5 for k in want)
+
+
+def test_a_checkpoint_saved_at_one_rank_resumes_at_two():
+    _, one_rank, results = _folder_and_results()
+    for r in results:
+        assert isinstance(r["from_one_rank"], dict), r["from_one_rank"]
+        assert _close(r["from_one_rank"], one_rank)
+
+
+def test_a_checkpoint_saved_at_two_ranks_resumes_in_one_process_unsharded():
+    """No process group, a plain model and optimizer: DCP reads the full tensors."""
+    folder, _, _ = _folder_and_results()
+    model = _model(seed=99)
+    opt = _adam(model)
+    z3.load_checkpoint(os.path.join(folder, "resume-False-1"), model, opt)
+    for step in range(STEPS, 2 * STEPS):
+        x, y = _batch(0, 1, 10 * step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in _part(("resume", False, 1)):
+        assert _close(_params(model), r["went_on"])
 
 
 def test_a_save_before_the_first_step_leaves_training_bit_identical():
