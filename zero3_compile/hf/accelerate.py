@@ -538,7 +538,14 @@ def _clip(parameters: list, max_norm: float | None, norm_type: float) -> torch.T
 def prepare(accelerator, model: nn.Module, *objects, zero3_options: dict[str, Any] | None = None,
             compile: bool = True):  # fmt: skip
     """``(compiled model, *accelerator.prepare(objects))`` for a plain ``accelerate.Accelerator``;
-    shards ``model`` first if needed. (``Accelerator`` above does this inside ``prepare``.)"""
+    shards ``model`` first if needed. (``Accelerator`` above does this inside ``prepare``.)
+
+    Example:
+        ```python
+        accelerator = accelerate.Accelerator()
+        model, opt, loader = z3hf.prepare(accelerator, model, opt, loader)  # model sharded, compiled
+        ```
+    """
     if str(getattr(accelerator, "mixed_precision", "no")) not in ("no", "None"):
         raise ValueError(
             f"zero3: Accelerator(mixed_precision={accelerator.mixed_precision!r}) would autocast "
@@ -562,7 +569,17 @@ def prepare(accelerator, model: nn.Module, *objects, zero3_options: dict[str, An
 def accumulate(accelerator, model: nn.Module) -> Iterator[None]:
     """``accelerator.accumulate(model)`` for a zero3 model and a plain ``accelerate.Accelerator``:
     gradients are reduce-scattered only on the micro-batch where accelerate syncs (its own
-    ``no_sync`` does nothing for a model it did not wrap)."""
+    ``no_sync`` does nothing for a model it did not wrap).
+
+    Example:
+        ```python
+        for batch in loader:
+            with z3hf.accumulate(accelerator, model):  # instead of accelerator.accumulate(model)
+                accelerator.backward(model(**batch).loss)
+                opt.step()
+                opt.zero_grad()
+        ```
+    """
     base = getattr(model, "_orig_mod", model)
     with accelerator.accumulate(base):
         sync = bool(accelerator.sync_gradients)
