@@ -141,6 +141,20 @@ def _before_the_first_step(rank, world, folder) -> dict:
     z3.save_checkpoint(os.path.join(folder, "unstepped-again"), again, again_opt)
     _train(again, again_opt, rank, world, 0)
     out["again_resumes"] = _same(_params(again), _params(plain))
+    # an offloaded optimizer (its state created in the store at the first step): the same
+    runs = {}
+    for how in ("unsaved", "saved", "loaded"):
+        model = z3.shard(_model(seed=99 if how == "loaded" else 11))
+        opt = z3.offload_optimizer(_adam(model), tier="disk", path=folder)
+        if how == "saved":
+            z3.save_checkpoint(os.path.join(folder, "unstepped-offloaded"), model, opt)
+        if how == "loaded":
+            z3.load_checkpoint(os.path.join(folder, "unstepped-offloaded"), model, opt)
+        _train(model, opt, rank, world, 0)
+        runs[how] = _params(model)
+    out["offloaded"] = _same(runs["saved"], runs["unsaved"]) and _same(
+        runs["loaded"], runs["unsaved"]
+    )
     return out
 
 
@@ -315,6 +329,7 @@ def test_a_checkpoint_saved_before_the_first_step_loads_as_a_fresh_optimizer():
         assert r["fresh_resumes"]
         assert r["trained_resumes"]  # a trained optimizer's state goes back to none
         assert r["again_resumes"]
+        assert r["offloaded"]
 
 
 @pytest.mark.parametrize("frozen,micro", [(False, 1), (True, 2)])
