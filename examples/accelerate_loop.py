@@ -3,8 +3,13 @@
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py   # CPUs too
     accelerate launch --multi_gpu --num_processes 8 examples/accelerate_loop.py --model path
 
-(accelerate 1.15 has no ``--multi_cpu``: ``--multi_gpu`` starts the processes with torchrun, and
-on a machine without GPUs the script's ``Accelerator(cpu=True)`` makes them a gloo job.)
+An ordinary accelerate loop: only the import of ``Accelerator`` changes
+(``from zero3_compile.hf import Accelerator``), whose ``prepare`` shards the model and compiles
+it with the zero3 backend instead of wrapping it in DDP, and whose ``accumulate`` reduces the
+gradients only on the micro-batch where accelerate syncs. (``accelerate launch`` has no
+``--multi_cpu`` flag, accelerate 1.16 neither, and its ``--cpu`` starts one process unless given
+an MPI hostfile: ``--multi_gpu`` starts the processes with torchrun, and on a machine without
+GPUs the script's ``Accelerator(cpu=True)`` makes them a gloo job.)
 
 Same data and model as ``examples/hf_trainer.py``. Prints the loss of every step and, at the end,
 each rank's share of the parameters.
@@ -17,10 +22,10 @@ import os
 
 import torch
 import transformers
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from zero3_compile import hf as z3hf
+from zero3_compile.hf import Accelerator
 
 
 def main() -> None:
@@ -34,7 +39,9 @@ def main() -> None:
     # cpu=True without a GPU: accelerate then runs the processes torchrun started as MULTI_CPU
     # (gloo); with GPUs it is MULTI_GPU (nccl)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.accumulation, cpu=not torch.cuda.is_available()
+        gradient_accumulation_steps=args.accumulation,
+        cpu=not torch.cuda.is_available(),
+        zero3_options={"codegen": args.codegen},
     )
     folder = args.model or os.path.join("z3hf-accelerate-out", "initial-model")
     if args.model is None and accelerator.is_main_process and not os.path.isdir(folder):
@@ -53,12 +60,12 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    step_model, optimizer, loader, scheduler = z3hf.prepare(
-        accelerator, model, optimizer, loader, scheduler, zero3_options={"codegen": args.codegen}
-    )
+    step_model, optimizer, loader, scheduler = accelerator.prepare(
+        model, optimizer, loader, scheduler
+    )  # the model sharded already (from_pretrained), compiled with the zero3 backend
     step = 0
     for batch in loader:
-        with z3hf.accumulate(accelerator, step_model):
+        with accelerator.accumulate(step_model):
             loss = step_model(input_ids=batch, labels=batch).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients:
