@@ -223,3 +223,17 @@ def test_the_trainer_runs_a_deepspeed_configs_schedule_and_leaf_modules():
     expected = [0.0, 0.0] + [0.1 * (math.log(i + 1) / math.log(4)) for i in (1, 2, 3)] + [0.1]
     assert max(abs(a - b) for a, b in zip(trainer["lrs"], expected)) < 1e-12
     assert trainer["leaves"] == {"LlamaDecoderLayer"}
+
+
+def test_accelerate_launchs_moe_layer_names_become_leaf_modules(monkeypatch):
+    """``accelerate launch --deepspeed_moe_layer_cls_names`` (no process group needed)."""
+    from types import SimpleNamespace
+
+    from zero3_compile.hf.accelerate import _moe_leaves
+    from zero3_compile.hf.deepspeed_config import translate
+
+    translated = translate({"zero_optimization": {"stage": 3, "leaf_module": {"names": ["a"]}}})
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES", "MixtralSparseMoeBlock,Block")
+    _moe_leaves(SimpleNamespace(transformer_moe_cls_names=None), translated)
+    assert translated.leaf_modules.classes == ["MixtralSparseMoeBlock", "Block"]
+    assert translated.leaf_modules.names == ["a"]

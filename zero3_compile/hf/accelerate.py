@@ -63,7 +63,7 @@ from ..frontend.shard import shard
 from ..io.checkpoint import load_checkpoint, save_checkpoint
 from ..io.state_dict import full_state_dict
 from ..offload.optimizer import offload_optimizer
-from .deepspeed_config import translate
+from .deepspeed_config import LeafModules, translate
 from .generation import mark_sharded
 
 STATE_FOLDER = "zero3_state"  # in a save_state folder: model i's shards in zero3_state[_i]
@@ -80,8 +80,18 @@ class Accelerator(accelerate.Accelerator):
     compile: False leaves the sharded model uncompiled (eager gathers: slower, for debugging).
 
     Example:
-        >>> accelerator = Accelerator(gradient_accumulation_steps=4)   # doctest: +SKIP
-        >>> model, optimizer = accelerator.prepare(model, optimizer)   # doctest: +SKIP
+        ```python
+        from zero3_compile.hf import Accelerator     # was: from accelerate import Accelerator
+
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        accelerator.save_state("checkpoint")          # every rank: sharded
+        ```
     """
 
     def __init__(
@@ -104,6 +114,7 @@ class Accelerator(accelerate.Accelerator):
             )
             plugin.set_mixed_precision(str(mixed))  # as accelerate does: bf16/fp16 "enabled"
             translated = translate(plugin.deepspeed_config)
+            _moe_leaves(plugin, translated)
             steps = translated.args.get("gradient_accumulation_steps")
             if steps is not None:  # DeepSpeed's value wins, as under accelerate + DeepSpeed
                 kwargs["gradient_accumulation_steps"] = steps
@@ -406,6 +417,17 @@ class Accelerator(accelerate.Accelerator):
         root = os.path.join(self.project_dir, "checkpoints")
         folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"(\d+)$", f)[0]))
         return os.path.join(root, folders[-1])
+
+
+def _moe_leaves(plugin: DeepSpeedPlugin, translated) -> None:
+    """``accelerate launch --deepspeed_moe_layer_cls_names``: leaf modules, by class name."""
+    names = plugin.transformer_moe_cls_names or os.environ.get(
+        "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"
+    )
+    if names:
+        leaves = translated.leaf_modules or LeafModules()
+        leaves.classes = [*leaves.classes, *names.split(",")]
+        translated.leaf_modules = leaves
 
 
 def _options_from_environment() -> dict[str, Any]:
