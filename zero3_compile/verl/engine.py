@@ -13,9 +13,9 @@ differs:
   (``use_no_sync_for_gradient_accumulation``): ``z3.set_requires_gradient_sync``;
 - ``get_per_tensor_param``: ``zero3_compile.rollout.iter_full_parameters`` (one tensor gathered
   at a time; LoRA merged, adapter-only or base-only as verl asks);
-- ``to(device, model, optimizer, grad)``: the shards, their gradients and the optimizer state
-  move between the accelerator and host memory (on a CPU machine they are in host memory
-  already, and nothing moves);
+- ``to(device, model, optimizer, grad)``: ``z3.offload_states`` / ``z3.reload_states`` (the
+  shards, their gradients and the optimizer state to host memory and back, bit-identical; on a
+  CPU machine they are in host memory already, and nothing moves);
 - checkpoints: ``z3.save_checkpoint`` / ``z3.load_checkpoint`` (sealed, any world size) with the
   LR scheduler and RNG states as each rank's state; ``hf_model`` in ``save_contents`` adds a
   Hugging Face folder (``z3hf.save_pretrained``).
@@ -244,22 +244,35 @@ class _Zero3Methods:
     # ------------------------------------------------------------------ offload between phases
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """Move the shards (``model``), their gradients (``grad``) and the optimizer state
-        (``optimizer``) to ``device`` (the accelerator, or ``"cpu"``)."""
+        """Between rollout and training: ``"cpu"`` moves the shards (``model``), their gradients
+        (``grad``) and the optimizer state (``optimizer``) to host memory and gives the
+        accelerator's memory back (``z3.offload_states``); the accelerator's name brings back
+        everything moved (``z3.reload_states``, bit-identical). On a CPU machine the shards are
+        in host memory already, and the accelerator's name is ``"cpu"`` too: nothing moves."""
         if grad and not model:
             raise ValueError("zero3: gradients move with the parameters: pass model=True")
         accelerator = get_device_name()
         if device not in (accelerator, "cpu"):
             raise ValueError(f"zero3: engine.to({device!r}): the device is {accelerator} or cpu")
         if accelerator == "cpu" or self.engine_config.forward_only:
-            return  # the shards are in host memory already (forward_only: they stay there)
-        target = torch.device("cpu") if device == "cpu" else torch.device(accelerator)
-        if model:
-            _move_module(self.module, target, grad)
-        if optimizer and self.optimizer is not None:
-            _move_optimizer(self.optimizer, target)
+            return  # forward_only: the reference model's shards live in host memory already
         if device == "cpu":
-            torch.cuda.empty_cache()
+            self._offload("cpu", model=model, optimizer=optimizer, grad=grad)
+        else:
+            self._reload()
+
+    def _offload(self, tier: str, *, model: bool, optimizer: bool, grad: bool) -> None:
+        from .. import offload_states
+
+        wanted = (("params", model), ("grads", grad), ("optim_states", optimizer))
+        kinds = [kind for kind, on in wanted if on]
+        if kinds:
+            offload_states(self.module, self.optimizer, include=kinds, device=tier)
+
+    def _reload(self) -> None:
+        from .. import reload_states
+
+        reload_states(self.module, self.optimizer)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -270,7 +283,6 @@ class _Zero3Methods:
         RNG); config and tokenizer in ``local_path/huggingface`` (the whole model too with
         ``hf_model`` in ``checkpoint.save_contents``)."""
         from .. import save_checkpoint
-        from ..hf import save_pretrained
 
         if local_path is None:
             return
@@ -288,6 +300,8 @@ class _Zero3Methods:
         )
         folder = os.path.join(local_path, HF_FOLDER)
         if "hf_model" in contents:
+            from ..hf import save_pretrained
+
             save_pretrained(self.module, folder, merge_adapters=self._is_lora)
         if rank == 0:
             self._save_config_and_tokenizer(folder)
@@ -361,27 +375,6 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-@torch.no_grad()
-def _move_module(module: torch.nn.Module, device: torch.device, grad: bool) -> None:
-    """The shards (sharded parameters stay sharded: ``model.to`` works on them) and buffers; a
-    gradient that may not move with its parameter is refused rather than left behind."""
-    if not grad and any(p.grad is not None for p in module.parameters()):
-        raise ValueError(
-            "zero3: engine.to(model=True, grad=False) with gradients present; zero them first "
-            "(optimizer_zero_grad) or move them too (grad=True)"
-        )
-    module.to(device)
-
-
-@torch.no_grad()
-def _move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            # scalars (Adam's step) stay where torch.optim keeps them
-            if isinstance(value, torch.Tensor) and value.dim() and value.device != device:
-                state[key] = value.to(device)
 
 
 @EngineRegistry.register(model_type="language_model", backend="zero3", device=["cpu", "cuda"])
