@@ -228,6 +228,11 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        groups = getattr(optimizer, "param_groups", None)
+        if groups is not None and not all(g["params"] for g in groups):
+            # a group left empty (a frozen base: no trainable norm weights to spare from decay)
+            # breaks torch's flattened optimizer state dict, which the checkpoints use
+            groups[:] = [g for g in groups if g["params"]]
         if self._zero3.optimizer_offload is not None and not getattr(
             optimizer, "_zero3_tiled", False
         ):
@@ -374,14 +379,14 @@ REFUSAL = "optimizer.pt"  # where a plain Trainer looks for the optimizer state
 class ResumeWithZero3Trainer:
     """Stands in ``optimizer.pt`` of a zero3 checkpoint: a plain ``transformers.Trainer`` that
     resumes from it would otherwise find no optimizer state and start a fresh optimizer in
-    silence. Loading the file fails naming the fix (with ``weights_only=True``, torch's refusal
-    names this class)."""
+    silence. Loading the file fails naming the fix: torch's ``weights_only`` refusal names the
+    function below, and loading it otherwise runs it (it raises)."""
 
     def __reduce__(self):
-        return (_refuse_plain_resume, ())
+        return (resume_with_zero3_compile_hf_Trainer, ())
 
 
-def _refuse_plain_resume():
+def resume_with_zero3_compile_hf_Trainer():  # noqa: N802  (its name is the message)
     raise RuntimeError(
         "zero3: this checkpoint was written by zero3_compile.hf.Trainer; its optimizer state is "
         f"sharded in {ZERO3_STATE}/. Resume it with zero3_compile.hf.Trainer (or "
