@@ -157,7 +157,9 @@ _WHOLE = "_zero3_whole"
 
 def whole_parameter(value) -> torch.Tensor | None:
     """The sharded parameter ``value`` is the whole eager read of (``module.weight``, not a view
-    of it); None for anything else."""
+    of it; also under its tensor-parallel ``DTensor``); None for anything else."""
+    if isinstance(value, GatheredDTensor):
+        value = value._local_tensor
     if isinstance(value, GatheredParameter) and value.__dict__.get(_WHOLE):
         return value._zero3_link.state.param
     return None
