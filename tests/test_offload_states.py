@@ -206,6 +206,13 @@ def access(rank, world):
         out[f"param {name}"] = torch.equal(read(p), read(t))
         out[f"state {name}"] = torch.equal(read(s), read(ts))
     out["repr"] = "(offloaded)" in repr(p) and "(offloaded)" in repr(s)
+    for a in (p, t):  # differentiable, as DTensor's own
+        a.to_local().square().sum().backward()
+        a.full_tensor().sin().sum().backward()
+        (a * a).sum().full_tensor().backward()
+    out["gradients"] = torch.equal(p.grad.full_tensor(), t.grad.full_tensor())
+    opt.zero_grad()
+    twin_opt.zero_grad()
     writes = {
         "copy_": lambda a: a.copy_(a * 0.5),
         "data": lambda a: a.data.mul_(2),
@@ -225,7 +232,8 @@ def access(rank, world):
         and s._local_tensor.untyped_storage().nbytes() == 0
     )
     try:
-        p.to_local().resize_(0)
+        with torch.no_grad():
+            p.to_local().resize_(0)
         out["refused"] = "no error"
     except RuntimeError as error:
         out["refused"] = str(error)
@@ -312,6 +320,14 @@ def on_demand(rank, world, codegen, offloaded):
     )
     out["memory freed"] = all(ref() is None for ref in held)
     out["readable while offloaded"] = _equal(snapshot(), before)
+    full = z3.full_state_dict(model)
+    out["full_state_dict while offloaded"] = all(
+        torch.equal(full[n], before["params"][n]) for n in full
+    )
+    saved = _pickled(model.state_dict())
+    out["torch.save while offloaded"] = all(
+        torch.equal(saved[n].full_tensor(), before["params"][n]) for n in saved
+    )
     if offloaded:  # the graphs reload the shards themselves; gradients add to the held ones
         forward_backward(9)
     if codegen is not None and not offloaded:

@@ -102,6 +102,10 @@ class LiveTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"{self._values.name} (offloaded): {self._replay(self._values.read())!r}"
 
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save, a checkpoint writer) as the values it stands for
+        return self._replay(self._values.read()).clone().__reduce_ex__(protocol)
+
     def untyped_storage(self) -> torch.UntypedStorage:
         """The offloaded tensor's own storage (zero bytes while its values are in the store)."""
         return self._values.storage()
@@ -128,11 +132,11 @@ class LiveTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _REFUSED:
+        if func in _REFUSED or torch.Tag.inplace_view in func.tags:
             raise RuntimeError(
-                f"zero3: {func} on an offloaded tensor would change its storage; its values are "
-                "in the offload store. Write values with copy_() (under torch.no_grad() for a "
-                "parameter), or reload_states() / read it with clone() first"
+                f"zero3: {func} would change an offloaded tensor's storage or shape in place; "
+                "its values live in the offload store. Write them with copy_() (under "
+                "torch.no_grad() for a parameter), or work on a copy (clone())"
             )
         if func is aten.is_pinned.default:
             return False
@@ -146,7 +150,8 @@ class LiveTensor(torch.Tensor):
         return _run(func, args, kwargs)
 
 
-# operations that would give the tensor new storage or a new size: refused by name
+# operations that would give the tensor new storage or a new size (with those torch tags
+# ``inplace_view``: transpose_, squeeze_, as_strided_...): refused by name
 _REFUSED = {
     aten.set_.source_Storage,
     aten.set_.source_Storage_storage_offset,
@@ -245,15 +250,19 @@ class OffloadedDTensor(DTensor):
         out = func(*args, **kwargs)
         return tree_map(lambda o: originals.get(id(o), o), out)
 
+    def _zero3_differentiable(self) -> DTensor:
+        """This tensor, or while offloaded its live values (gradients flow back to it)."""
+        if torch.compiler.is_compiling() or self._zero3_live() is None:
+            return self
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Live.apply(self)
+        return self._zero3_live()
+
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
-        live = None if torch.compiler.is_compiling() else self._zero3_live()
-        if live is None:
-            return DTensor.to_local(self, grad_placements=grad_placements)
-        return live._local_tensor
+        return DTensor.to_local(self._zero3_differentiable(), grad_placements=grad_placements)
 
     def redistribute(self, *args, **kwargs) -> DTensor:
-        live = None if torch.compiler.is_compiling() else self._zero3_live()
-        return DTensor.redistribute(self if live is None else live, *args, **kwargs)
+        return DTensor.redistribute(self._zero3_differentiable(), *args, **kwargs)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
@@ -300,6 +309,19 @@ class OffloadedDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         return self._zero3_copy().__reduce_ex__(protocol)
+
+
+class _Live(torch.autograd.Function):
+    """An offloaded ``DTensor``'s live values (``OffloadedDTensor._zero3_live``), through which
+    gradients reach it: ``p.to_local()`` and ``p.full_tensor()`` stay differentiable."""
+
+    @staticmethod
+    def forward(ctx, dtensor: OffloadedDTensor) -> DTensor:
+        return dtensor._zero3_live()
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        return grad
 
 
 allow_foreach(OffloadedDTensor)  # the optimizers' foreach paths, as over DTensor (same bits)
