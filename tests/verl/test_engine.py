@@ -266,8 +266,66 @@ def _scenario(rank, world, folder, checkpoint):
     )
     out["dp"] = (engine.get_data_parallel_rank(), engine.get_data_parallel_size())
     timings.append(("rest", time.perf_counter()))
+    out["lora"] = _lora(folder, rank, world, batch2, loss_fn)
+    timings.append(("lora", time.perf_counter()))
     out["timings"] = [(b[0], round(b[1] - a[1], 1)) for a, b in zip(timings, timings[1:])]
     del z3
+    return out
+
+
+def _lora(folder, rank, world, batch, loss_fn) -> dict:
+    """A LoRA engine (verl's own peft setup on the sharded model): one step trains the adapters
+    only; get_per_tensor_param gives the merged weights (base + B @ A * scaling, computed here
+    from the gathered state), or the base weights under vLLM's base_layer names, then the
+    adapter alone; with the adapters disabled the merged export is the base."""
+    from verl.utils.fsdp_utils import replace_lora_wrapper
+
+    engine = _engine(folder, lora=True)
+    before = _full(engine)
+    with engine.train_mode():
+        engine.train_batch(_rank_share(batch.clone(), rank, world), loss_function=loss_fn)
+    state = _full(engine)
+    changed = sorted({k.split(".")[-3] for k, v in state.items() if not torch.equal(v, before[k])})
+    prefix, scaling = "base_model.model.", 8 / 4
+    base = {
+        k.removeprefix(prefix).replace(".base_layer", ""): v
+        for k, v in state.items()
+        if ".lora_" not in k
+    }
+    merged = dict(base)
+    for key in state:
+        if key.endswith(".lora_A.default.weight"):
+            layer = key.removesuffix(".lora_A.default.weight")
+            delta = (state[f"{layer}.lora_B.default.weight"] @ state[key]) * scaling
+            merged[f"{layer.removeprefix(prefix)}.weight"] = (
+                state[f"{layer}.base_layer.weight"] + delta
+            )
+
+    def export(**kwargs):
+        generator, config = engine.get_per_tensor_param(**kwargs)
+        return {n: t.clone() for n, t in generator}, config
+
+    out = {"changed": changed}
+    engine.model_config.lora["merge"] = True
+    got, config = export()
+    out["merged"] = (list(got) == list(merged), all(torch.equal(got[k], merged[k]) for k in merged))
+    with engine.disable_adapter():
+        got, _ = export()
+    out["disabled"] = all(torch.equal(got[k], base[k]) for k in base)
+    engine.model_config.lora["merge"] = False
+    got, config = export(base_sync_done=False)
+    names = [replace_lora_wrapper(n, engine.module.peft_config["default"]) for n in base]
+    out["base"] = (
+        list(got) == names,
+        all(torch.equal(got[n], base[k]) for n, k in zip(names, base)),
+    )
+    out["base_config"] = (config or {}).get("r")
+    got, config = export(base_sync_done=True)
+    adapters = {k.replace(".default", ""): v for k, v in state.items() if ".lora_" in k}
+    out["adapter"] = (
+        sorted(got) == sorted(adapters),
+        all(torch.equal(got[k], adapters[k]) for k in adapters),
+    )
     return out
 
 
@@ -310,6 +368,17 @@ def test_train_batch_with_the_actor_loss_matches_single_process_eager(results):
 def test_get_per_tensor_param_is_the_state_dict(results):
     for out in results:
         assert out["export"] == (True, True, None)
+
+
+def test_lora_engine_trains_the_adapters_and_exports_merged_base_or_adapter(results):
+    for out in results:
+        lora = out["lora"]
+        assert lora["changed"] == ["lora_A", "lora_B"], lora["changed"]
+        assert lora["merged"] == (True, True)
+        assert lora["disabled"]
+        assert lora["base"] == (True, True)
+        assert lora["base_config"] == 4
+        assert lora["adapter"] == (True, True)
 
 
 def test_to_cpu_and_back_gives_memory_back_and_round_trips_bit_identically(results):
