@@ -39,7 +39,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding.state import ShardState, state_of
 from .access import LiveTensor
-from .params import register, unregister
-from .store import DiskStore, HostStore, Region
+from .params import agree, register, unregister
+from .store import DiskStore, HostStore, OffloadError, Region
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +91,14 @@ def offload_states(
     states = _sharded_states(model)
     _check_between_steps(states)
     parking = _parking(states)
-    if parking is None:
-        return
     moved: list[torch.device] = []
+    with _agreed(states):  # a full disk on one rank raises on every rank
+        _move_out(parking, states, optimizer, kinds, device, path, pin_memory, non_blocking, moved)
+    _release(moved, non_blocking)
+    log.debug("zero3: offloaded %d tensors to %s", len(moved), device)
+
+
+def _move_out(parking, states, optimizer, kinds, device, path, pin_memory, non_blocking, moved):
     if "params" in kinds:
         for state in states:
             if state.offload is None and _movable(_local(state.param), device):
@@ -119,8 +123,6 @@ def offload_states(
                     handle = ("state", weakref.ref(optimizer), state_of(param), key)
                     entry[key] = parking.park(handle, value, device, path, pin_memory, non_blocking)
                     moved.append(value.device)
-    _release(moved, non_blocking)
-    log.debug("zero3: offloaded %d tensors to %s", len(moved), device)
 
 
 def reload_states(
@@ -140,7 +142,14 @@ def reload_states(
     parking = _parking(states, create=False)
     if parking is None:
         return
-    devices = []
+    devices: list[torch.device] = []
+    with _agreed(states):
+        _move_back(parking, devices)
+    if devices and not non_blocking:
+        _synchronize(devices)
+
+
+def _move_back(parking, devices) -> None:
     for state in list(parking.params):
         if state.offload is not None and state.offload.store is parking.params[state]:
             unregister(state)
@@ -151,8 +160,17 @@ def reload_states(
         devices.append(restored.device)
         _put_back(handle, parked, restored)
         del parking.parked[handle]
-    if devices and not non_blocking:
-        _synchronize(devices)
+
+
+@contextlib.contextmanager
+def _agreed(states) -> Iterator[None]:
+    """Every rank of the model raises if one failed to move its states (``OffloadError``)."""
+    failure = None
+    try:
+        yield
+    except OffloadError as error:
+        failure = error
+    agree(states[0].root.dp.shard_group, failure, "move its states")
 
 
 # --------------------------------------------------------------------------- what is parked
@@ -209,8 +227,8 @@ class _ParkedValues:
 class _Parked:
     """One parked gradient or state tensor: the object standing for it, and its values."""
 
-    def __init__(self, standing: DTensor, values: _ParkedValues, owner: Any):
-        self.standing, self.values, self.owner = standing, values, owner
+    def __init__(self, standing: DTensor, values: _ParkedValues):
+        self.standing, self.values = standing, values
 
 
 class _Parking:
@@ -246,7 +264,7 @@ class _Parking:
         name = "gradient" if handle[0] == "grad" else f"optimizer state {handle[-1]!r}"
         values = _ParkedValues(store, region, local, name)
         standing = DTensor(LiveTensor(values), value._spec, requires_grad=False)
-        self.parked[handle] = _Parked(standing, values, handle)
+        self.parked[handle] = _Parked(standing, values)
         return standing
 
 
@@ -316,6 +334,7 @@ def _check_between_steps(states) -> None:
 
 
 def _parking(states, create: bool = True) -> _Parking | None:
+    """The model's parking (on its runtime; ``create``: made if it has none yet)."""
     root = states[0].root
     parking = getattr(root, "parked_states", None)
     if parking is None and create:

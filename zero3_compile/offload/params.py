@@ -480,7 +480,7 @@ def open_store(root, offload: Offload, device: torch.device, what: str = "params
         )
     except OffloadError as error:
         failure = error
-    _agree(root.dp.shard_group, failure)
+    agree(root.dp.shard_group, failure)
     return store
 
 
@@ -493,7 +493,7 @@ def offload_model(root, states: list, offload: Offload, device: torch.device) ->
             register(state, root.offload_store, offload.poison)
     except OffloadError as error:
         failure = error
-    _agree(root.dp.shard_group, failure)
+    agree(root.dp.shard_group, failure)
     log.debug(
         "zero3: offloaded %d parameter shards (%.1f MiB) to %s",
         len(states),
@@ -516,14 +516,13 @@ def register_loaded(state) -> None:
     register(state, store, root.offload.poison)
 
 
-def _agree(group, failure: Exception | None) -> None:
+def agree(group, failure: Exception | None, what: str = "set up its offload store") -> None:
+    """Every rank of ``group`` raises if one failed (``failure`` on this rank)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, group=group)
         if failure is None and int(flag) > 0:
-            raise OffloadError(
-                0, "zero3: another rank could not set up its offload store (see its error)"
-            )
+            raise OffloadError(0, f"zero3: another rank could not {what} (see its error)")
     if failure is not None:
         raise failure
 
