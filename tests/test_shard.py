@@ -237,6 +237,14 @@ def _start_and_optimizer_scenarios(rank, world):
     _train(model, optimizer, [0, 1, 2], rank, world)
     out["attribute_groups"] = z3.full_state_dict(model)
 
+    # ranks holding different models: named before any broadcast of mismatched sizes
+    other = nn.Sequential(nn.Linear(4, 6 + rank))
+    try:
+        z3.shard(other)
+        out["different_models"] = "sharded"
+    except RuntimeError as error:
+        out["different_models"] = str(error)
+
     # a state that cannot be cut into shards (Adafactor's factored rows): the step says so
     model = _mlp(seed=0).eval()
     optimizer = torch.optim.Adafactor(model.parameters(), lr=0.1)
@@ -290,6 +298,11 @@ def test_param_groups_built_from_module_attributes_hold_the_shards_and_train():
     for out in start_and_optimizer_results():
         assert out["attribute_groups_hold_shards"] == [True] * 5
         assert _close(out["attribute_groups"], want)
+
+
+def test_ranks_holding_different_models_are_told_so_at_shard():
+    for out in start_and_optimizer_results():
+        assert out["different_models"].startswith("zero3: the ranks hold different parameters")
 
 
 def test_an_optimizer_state_that_cannot_be_sharded_raises_at_the_step():
