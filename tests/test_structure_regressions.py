@@ -74,6 +74,50 @@ class NoGradModuleBesideUnusedOutput(nn.Module):
         return h2 + self.m1.bias, h1
 
 
+class ParameterWrittenIntoOutput(nn.Module):
+    """Found by the structure fuzzer: the output is a clone of the input that an in-place op
+    fills from a parameter (``h = x.clone(); h.add_(x + b)``, through a view, or ``h[:, 0] =``).
+    The write's node has no users, so the data flow the gradient gate reads
+    (``graph_facts.output_dependencies``) missed it: the parameter counted as reaching no output
+    and its gradient was dropped (None where eager has one: it never trained)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.m0 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.clone()
+        if self.how == "add_":
+            h.add_(x + self.m0.bias)
+        elif self.how == "view":
+            h[:, ::2].mul_(self.m0.bias[::2])
+        else:
+            h[:, 0] = (x * self.m0.bias)[:, 1]
+        return h
+
+
+class NoGradReadAcrossGraphBreak(nn.Module):
+    """Found by the structure fuzzer: ``a``'s output crosses a graph break and is read there
+    under ``no_grad`` only. The second graph took it as an input with a gradient edge (AOTAutograd
+    detaches such inputs itself, but not in graphs with tensor-subclass inputs like ours), so
+    backward ran the first graph with no gradient: ``a``'s parameters got zeros (eager: None),
+    which momentum and weight decay then applied."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h1 = self.a(x)
+        torch._dynamo.graph_break()
+        with torch.no_grad():
+            self.b(h1)
+        return self.c(x)
+
+
 def _first_output_mse(out, target):
     return (out[0] - target).square().mean()
 
@@ -95,6 +139,15 @@ SCENARIOS = {
         _first_output_mse,
         Training(EAGER),
     ),
+    **{
+        f"parameter_written_into_output_{how}": (
+            functools.partial(ParameterWrittenIntoOutput, how),
+            _mse,
+            Training(EAGER),
+        )
+        for how in ("add_", "view", "setitem")
+    },
+    "no_grad_read_across_graph_break": (NoGradReadAcrossGraphBreak, _mse, Training(EAGER)),
 }
 
 

@@ -52,7 +52,7 @@ from ..sharding.nodes import across_nodes_group, node_group, ranks_per_node, red
 from ..sharding.state import is_sharded, state_of
 from . import recording
 from .context import CompileContext
-from .graph_facts import calls_regions, output_dependencies
+from .graph_facts import calls_regions, detachable_inputs, output_dependencies
 from .graph_utils import copy_graph_module, output_node, save_waited
 from .node_keys import NUM_USER_OUTPUTS
 from .options import Options
@@ -109,6 +109,7 @@ def zero3_backend(
         gm.recompile()
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
     ctx.gradient_dependencies.update(output_dependencies(gm))
+    ctx.detachable_inputs = detachable_inputs(gm)
     ctx.group_names = _group_names(gm, example_inputs, opts)
     # torch 2.11: shards whose gradient is missing stay without one (not zeros)
     rewrite_to_local(gm, _source_hash())

@@ -76,6 +76,8 @@ class CompileContext:
     graphs: int = 0
     # user input index -> user outputs its gradient comes from (None: unknown), per joint graph
     gradient_dependencies: dict[int, frozenset[int] | None] = field(default_factory=dict)
+    # user inputs to pass detached (graph_facts.detachable_inputs)
+    detachable_inputs: frozenset[int] = frozenset()
     plans: list[Any] = field(default_factory=list)  # planner.BudgetPlan of each joint graph
     # names of the process groups the graph's parameters are sharded (and replicated) over: the
     # scheduled graphs name them, and a name is an ordinal of this process (part of cache keys)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -178,28 +179,119 @@ def gathered_values(
 
 
 def output_dependencies(gm: fx.GraphModule) -> dict[int, frozenset[int]]:
-    """For each graph input (placeholder index): the outputs its value flows into.
+    """For each graph input (placeholder index): the outputs its gradient may come from.
 
-    Read from the dynamo graph, before AOTAutograd: a superset of the outputs whose gradients an
-    input's gradient is computed from (gradients only flow along data flow), available even when
-    AOTAutograd's cache skips tracing the joint graph.
+    Read from the dynamo graph, before AOTAutograd: the outputs its value flows into through ops
+    that record autograd (not through a ``detach`` or an op run with grad disabled), an in-place
+    op flowing into every tensor that shares the written tensor's storage (``x.clone().add_(y)``
+    returns the clone: ``y`` reaches it): a superset of the outputs whose gradients an input's
+    gradient is computed from, available even when AOTAutograd's cache skips tracing the joint
+    graph. An input with none gets no gradient.
     """
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(nodes) if n.op == "output")
     values = output.args[0]
     values = list(values) if isinstance(values, (list, tuple)) else [values]
-    reaches: dict[fx.Node, set[int]] = {}
+    reaches: dict[fx.Node, set[int]] = {n: set() for n in nodes}
     for j, value in enumerate(values):
         if isinstance(value, fx.Node):
-            reaches.setdefault(value, set()).add(j)
-    for node in reversed(list(graph.nodes)):
-        if node.op == "output":
+            reaches[value].add(j)
+    cut = _gradient_cuts(graph)
+    sharing = _storage_sharers(nodes)
+    changed = True
+    while changed:  # a write reaches nodes before it too: iterate to the fixed point
+        changed = False
+        for node in reversed(nodes):
+            outs = reaches[node]
+            size = len(outs)
+            for user in node.users:
+                if user not in cut:
+                    outs |= reaches[user]
+            if _writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node):
+                for alias in sharing.get(node.args[0], (node.args[0],)):
+                    outs |= reaches[alias]
+            changed |= len(outs) != size
+    return {i: frozenset(reaches[p]) for i, p in enumerate(placeholders)}
+
+
+def _storage_sharers(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Each node whose value is a plain tensor: the nodes whose values share its storage
+    (views of one another), from dynamo's example values."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    by_storage: dict[Any, list[fx.Node]] = {}
+    for node in nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if type(value).__name__ != "FakeTensor":
             continue
-        outs = reaches.setdefault(node, set())
-        for user in node.users:
-            outs |= reaches.get(user, set())
-    return {i: frozenset(reaches.get(p, set())) for i, p in enumerate(placeholders)}
+        try:
+            key = StorageWeakRef(value.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            continue
+        by_storage.setdefault(key, []).append(node)
+    return {node: group for group in by_storage.values() for node in group}
+
+
+def detachable_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Inputs (placeholder indices) the graph gives no gradient and never writes to.
+
+    AOTAutograd passes such inputs detached, so that backward does not run the graph that
+    produced them with no gradient (it would materialise zeros: a parameter used there would get
+    a zero ``.grad`` where eager leaves None); it does not for graphs with tensor-subclass inputs,
+    which ours have (the DTensor shards), so the backend does it (``runtime/gate.py``). Written
+    inputs are kept: the write reaches autograd through the input. An input whose storage is
+    unknown counts as written.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    deps = output_dependencies(gm)
+    sharing = _storage_sharers(nodes)
+    written: set[fx.Node] = set()
+    for node in nodes:
+        if _writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node):
+            written.update(sharing.get(node.args[0], (node.args[0],)))
+    return frozenset(
+        i for i, p in enumerate(placeholders) if not deps[i] and p in sharing and p not in written
+    )
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    if node.target in _IN_PLACE_OPERATORS or name.startswith("__i"):
+        return True
+    return name.endswith("_") and not name.startswith("_")
+
+
+_IN_PLACE_OPERATORS = {
+    operator.setitem,
+    *(getattr(operator, f"i{op}") for op in ("add", "sub", "mul", "truediv", "floordiv", "mod")),
+    *(getattr(operator, f"i{op}") for op in ("pow", "matmul", "and", "or", "xor")),
+    *(getattr(operator, f"i{op}") for op in ("lshift", "rshift")),
+}
+
+
+def _gradient_cuts(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes no gradient flows back through: detaches, and ops dynamo recorded between its
+    ``_set_grad_enabled(False)`` and ``_set_grad_enabled(True)`` (a ``no_grad`` block). The
+    graph is taken to start with grad enabled (a call under ``no_grad`` has no backward)."""
+    cut: set[fx.Node] = set()
+    enabled = True
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+            continue
+        detach = node.target in ("detach", torch.Tensor.detach, torch.detach)
+        if node.op in ("call_function", "call_method") and (not enabled or detach):
+            cut.add(node)
+    return cut
 
 
 def region_calls(graph: fx.Graph) -> list[fx.Node]:

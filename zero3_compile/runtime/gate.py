@@ -111,7 +111,8 @@ class _Gate(torch.autograd.Function):
 
 class GatedCall:
     """The callable handed back to dynamo: AOTAutograd's compiled function, with the parameters
-    whose gradient may be structurally absent passed through ``_Gate``."""
+    whose gradient may be structurally absent passed through ``_Gate``, and the computed inputs
+    that get no gradient passed detached."""
 
     def __init__(self, compiled: Callable, compile_ctx, num_outputs: int):
         self.compiled = compiled
@@ -162,6 +163,16 @@ class GatedCall:
                     self.compile_ctx.index,
                     len(self._gated),
                 )
+        detach = self.compile_ctx.detachable_inputs
+        if detach and torch.is_grad_enabled():
+            # no gradient reaches them: backward must not run the graph that produced them
+            # (graph_facts.detachable_inputs)
+            args = tuple(
+                a.detach()
+                if i in detach and isinstance(a, torch.Tensor) and a.grad_fn is not None
+                else a
+                for i, a in enumerate(args)
+            )
         if not self._gated or not torch.is_grad_enabled():
             return self.compiled(*args)
         call = CallState(self.num_outputs, [deps for _, deps in self._gated])
