@@ -356,7 +356,16 @@ def on_demand(rank, world, codegen, offloaded):
         for m in (model, twin):
             m[0].weight.mul_(0.5)  # an eager write to a parameter (the store's, for model)
     out["space reused"] = store is None or store.size == size
-    z3.reload_states(model)
+    z3.reload_states(model, include=["params"])
+    out["params only back"] = all(
+        isinstance(v._local_tensor, LiveTensor)
+        for p in params.values()
+        for v in opt.state[p].values()
+        if isinstance(v, DTensor)
+    ) and (
+        offloaded or all(p._local_tensor.untyped_storage().nbytes() > 0 for p in params.values())
+    )
+    z3.reload_states(model, opt)
     for seed in range(3, 5):
         forward_backward(seed)
         step()

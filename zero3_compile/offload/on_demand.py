@@ -129,33 +129,43 @@ def reload_states(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    include: Iterable[str] | None = None,
     non_blocking: bool = False,
 ) -> None:
-    """Bring back everything ``offload_states`` moved out for ``model`` (its optimizers'
-    state too; ``optimizer`` is accepted for symmetry), bit-identical. Idempotent.
+    """Bring back what ``offload_states`` moved out for ``model``, bit-identical: ``include``
+    as there (default: everything); the optimizer state of ``optimizer`` only, if given (else
+    of every optimizer it moved). Idempotent.
 
     ```python
-    z3.reload_states(model, optimizer)
+    z3.reload_states(model, include=["params"])    # log-probabilities need the weights only
+    z3.reload_states(model, optimizer)             # everything, before the training step
     ```
     """
+    kinds = _kinds(include)
     states = _sharded_states(model)
     parking = _parking(states, create=False)
     if parking is None:
         return
     devices: list[torch.device] = []
     with _agreed(states):
-        _move_back(parking, devices)
+        _move_back(parking, kinds, optimizer, devices)
     if devices and not non_blocking:
         _synchronize(devices)
 
 
-def _move_back(parking, devices) -> None:
-    for state in list(parking.params):
+def _move_back(parking, kinds, optimizer, devices) -> None:
+    for state in list(parking.params) if "params" in kinds else []:
         if state.offload is not None and state.offload.store is parking.params[state]:
             unregister(state)
             devices.append(state.param.device)
         del parking.params[state]
     for handle, parked in list(parking.parked.items()):
+        if handle[0] == "grad" and "grads" not in kinds:
+            continue
+        if handle[0] == "state" and (
+            "optim_states" not in kinds or (optimizer is not None and handle[1]() is not optimizer)
+        ):
+            continue
         restored = parked.values.restore()
         devices.append(restored.device)
         _put_back(handle, parked, restored)
