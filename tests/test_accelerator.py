@@ -54,7 +54,22 @@ def _plain(rank, world, folder):
 
     AcceleratorState._reset_state(True)  # the Trainer below makes its own accelerator
     out["trainer"] = _trainer_with_a_deepspeed_schedule(folder)
+    AcceleratorState._reset_state(True)
+    out["late"] = _optimizer_prepared_later()
     return out
+
+
+def _optimizer_prepared_later() -> bool:
+    """An optimizer made before ``prepare`` and prepared in a later call: moved onto the shards."""
+    from zero3_compile.hf import Accelerator
+
+    accelerator = Accelerator(compile=False)
+    linear = torch.nn.Linear(4, 6)
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.1)
+    linear = accelerator.prepare(linear)
+    optimizer = accelerator.prepare(optimizer)
+    shards = {id(p) for p in linear.parameters()}
+    return all(id(p) in shards for p in optimizer.optimizer.param_groups[0]["params"])
 
 
 def _trainer_with_a_deepspeed_schedule(folder: str) -> dict:
@@ -223,6 +238,7 @@ def test_the_trainer_runs_a_deepspeed_configs_schedule_and_leaf_modules():
     expected = [0.0, 0.0] + [0.1 * (math.log(i + 1) / math.log(4)) for i in (1, 2, 3)] + [0.1]
     assert max(abs(a - b) for a, b in zip(trainer["lrs"], expected)) < 1e-12
     assert trainer["leaves"] == {"LlamaDecoderLayer"}
+    assert plain["late"]
 
 
 def test_accelerate_launchs_moe_layer_names_become_leaf_modules(monkeypatch):

@@ -38,8 +38,9 @@ import json
 import math
 import os
 import re
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import accelerate
 import torch
@@ -133,6 +134,7 @@ class Accelerator(accelerate.Accelerator):
         self._zero3_compile = compile
         self._zero3_bases: dict[int, nn.Module] = {}  # id(compiled) -> the sharded model
         self._zero3_clip_hooked: set[int] = set()
+        self._zero3_moved: dict[int, _Moved] = {}  # id(unsharded parameter) -> its shard
         if plugin is not None:
             self.deepspeed_config = plugin.deepspeed_config
             _expose_plugin(self.state, plugin)
@@ -149,18 +151,19 @@ class Accelerator(accelerate.Accelerator):
         names = _parameter_names(args)
         result = super().prepare(*args, device_placement=device_placement)
         result = list(result) if len(args) > 1 else [result]
-        moved = self._moved_parameters(names)
+        self._remember_moved(names, result)
         for obj in result:
             inner = getattr(obj, "optimizer", obj)
             if isinstance(inner, torch.optim.Optimizer):
-                _point_at(inner, moved)
+                _point_at(inner, self._zero3_moved)
         self._check_deepspeed_objects(result)
         built: dict[int, Any] = {}  # id(DummyOptim) -> the optimizer made for it
         for i, obj in enumerate(result):
             if isinstance(obj, DummyOptim):
                 optimizer = self._zero3.optimizer.build(
-                    _remapped(obj.params, moved), lr=obj.lr, weight_decay=obj.weight_decay
-                )
+                    _remapped(obj.params, self._zero3_moved), lr=obj.lr,
+                    weight_decay=obj.weight_decay,
+                )  # fmt: skip
                 result[i] = built[id(obj)] = self.prepare_optimizer(optimizer)
         for i, obj in enumerate(result):
             if isinstance(obj, DummyScheduler):
@@ -222,7 +225,7 @@ class Accelerator(accelerate.Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model):
         """No gradient reduce-scatter in this context: gradients accumulate unreduced."""
-        base = self._zero3_bases.get(id(model))
+        base = self._zero3_bases.get(id(model)) or _sharded_base(model)
         if base is None:
             with super().no_sync(model):
                 yield
@@ -303,16 +306,17 @@ class Accelerator(accelerate.Accelerator):
         model._original_forward = model.forward
         model.forward = convert_outputs_to_fp32(context(model.forward))
 
-    def _moved_parameters(self, names: dict[int, tuple[int, str]]) -> dict[int, nn.Parameter]:
-        """id(parameter before prepare) -> the sharded parameter under the same name."""
-        bases = list(self._zero3_bases.values())
-        moved = {}
-        for old, (index, name) in names.items():
-            if index < len(bases):
-                new = dict(bases[index].named_parameters(remove_duplicate=False)).get(name)
-                if new is not None:
-                    moved[old] = new
-        return moved
+    def _remember_moved(self, names: dict[int, tuple], result: list) -> None:
+        """Record, for each parameter of a model prepared here, the shard that replaced it (an
+        optimizer prepared later, in another call, is moved onto the shards too)."""
+        for old_id, (ref, position, name) in names.items():
+            base = self._zero3_bases.get(id(result[position]))
+            param = ref()
+            if base is None or param is None:
+                continue
+            new = dict(base.named_parameters(remove_duplicate=False)).get(name)
+            if new is not None and new is not param:
+                self._zero3_moved[old_id] = _Moved(ref, new)
 
     def _check_deepspeed_objects(self, result: list) -> None:
         """accelerate's rules for a DeepSpeed config's optimizer and scheduler sections."""
@@ -496,37 +500,49 @@ def _expose_plugin(state: AcceleratorState, plugin: DeepSpeedPlugin) -> None:
     state.__class__ = _ZeroState
 
 
-def _parameter_names(args) -> dict[int, tuple[int, str]]:
-    """id(parameter) -> (index of its model among the nn.Modules in ``args``, name)."""
-    names: dict[int, tuple[int, str]] = {}
-    models = [a for a in args if isinstance(a, nn.Module)]
-    for index, model in enumerate(models):
+class _Moved(NamedTuple):
+    old: weakref.ref  # the unsharded parameter (its id alone could be reused once it is freed)
+    new: nn.Parameter
+
+
+def _shard_of(param, moved: dict[int, _Moved]):
+    entry = moved.get(id(param))
+    return entry.new if entry is not None and entry.old() is param else param
+
+
+def _parameter_names(args) -> dict[int, tuple]:
+    """id(parameter) -> (a weak reference to it, its model's position in ``args``, its name)."""
+    names: dict[int, tuple] = {}
+    for position, model in enumerate(args):
+        if not isinstance(model, nn.Module):
+            continue
         base = getattr(model, "_orig_mod", model)
         for name, param in base.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), (index, name))
+            names.setdefault(id(param), (weakref.ref(param), position, name))
     return names
 
 
-def _point_at(optimizer: torch.optim.Optimizer, moved: dict[int, nn.Parameter]) -> None:
+def _point_at(optimizer: torch.optim.Optimizer, moved: dict[int, _Moved]) -> None:
     """An optimizer built before ``prepare`` takes the shards in place of the parameters."""
-    if not any(id(p) in moved for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(_shard_of(p, moved) is p for p in params):
         return
-    if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+    if any(optimizer.state.get(p) for p in params):
         raise ValueError(
             "zero3: the optimizer already holds state for the unsharded parameters; prepare it "
             "before its first step"
         )
     for group in optimizer.param_groups:
-        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        group["params"] = [_shard_of(p, moved) for p in group["params"]]
     optimizer.state.clear()
 
 
-def _remapped(params, moved: dict[int, nn.Parameter]):
+def _remapped(params, moved: dict[int, _Moved]):
     """DummyOptim's parameters (tensors or groups) on the shards."""
     params = list(params)
     if params and isinstance(params[0], dict):
-        return [{**g, "params": [moved.get(id(p), p) for p in g["params"]]} for g in params]
-    return [moved.get(id(p), p) for p in params]
+        return [{**g, "params": [_shard_of(p, moved) for p in g["params"]]} for g in params]
+    return [_shard_of(p, moved) for p in params]
 
 
 def _sharded_base(model) -> nn.Module | None:
