@@ -49,11 +49,12 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import AcceleratorState
 from accelerate.utils import (
     DeepSpeedPlugin,
-    DummyOptim,
-    DummyScheduler,
     convert_outputs_to_fp32,
     get_mixed_precision_context_manager,
 )
+
+# accelerate.utils exports these only when deepspeed is installed; their module does not need it
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.distributed.tensor import DTensor
 
 from ..compiler.options import Options
