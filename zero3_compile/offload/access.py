@@ -233,8 +233,20 @@ class OffloadedDTensor(DTensor):
             return None
         return DTensor(LiveTensor(values), self._spec, requires_grad=False)
 
+    def _zero3_alias(self) -> OffloadedDTensor:
+        """``detach()`` / ``.data``: another ``OffloadedDTensor`` of the same values (a
+        ``Parameter`` made from one is of its class, as torch requires)."""
+        alias = DTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
+        alias.__class__ = OffloadedDTensor
+        values = self.__dict__.get(_VALUES)
+        if values is not None:
+            alias.__dict__[_VALUES] = values
+        return alias
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _ALIASES and isinstance(args[0], OffloadedDTensor):
+            return args[0]._zero3_alias()
         originals: dict[int, OffloadedDTensor] = {}
 
         def swap(value):
@@ -309,6 +321,9 @@ class OffloadedDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         return self._zero3_copy().__reduce_ex__(protocol)
+
+
+_ALIASES = (aten.detach.default, aten.alias.default)
 
 
 class _Live(torch.autograd.Function):
