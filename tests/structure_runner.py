@@ -50,6 +50,7 @@ class Training:
     steps: int = 2
     micro_batches: int = 1
     keep_gathered: bool = False  # with micro_batches > 1: set_requires_gradient_sync's
+    inference: bool = False  # after training, compare a forward under no_grad too
 
     @property
     def codegen(self) -> str | None:
@@ -80,6 +81,16 @@ def skeleton(out: Any) -> Any:
     if isinstance(out, dict):
         return ("dict", [(k, skeleton(v)) for k, v in out.items()])
     return out
+
+
+def tensor_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in tensor_leaves(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in tensor_leaves(o)]
+    return []
 
 
 def _full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -164,6 +175,13 @@ def train_and_compare(
             problems.append(f"final state: {name} missing")
         elif rel_diff(got, want) > tol:
             problems.append(f"final state: {name} off by {rel_diff(got, want):.2e}")
+    if training.inference:
+        args, _ = batch(training.steps, 0, rank)
+        with torch.no_grad():
+            outs, ref_outs = tensor_leaves(step_model(*args)), tensor_leaves(reference(*args))
+        for k, (got, want) in enumerate(zip(outs, ref_outs)):
+            if rel_diff(got, want) > tol:
+                problems.append(f"inference: output {k} off by {rel_diff(got, want):.2e}")
     return problems
 
 
@@ -313,6 +331,7 @@ def run_case(rank: int, world: int, case_json: str) -> dict[str, Any]:
         steps=case.steps,
         micro_batches=case.micro_batches,
         keep_gathered=case.keep_gathered,
+        inference=case.inference,
     )
     try:
         problems = train_and_compare(

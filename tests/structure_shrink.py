@@ -66,6 +66,8 @@ def shrink_candidates(case: Case) -> Iterator[Case]:
         yield replace(case, keep_gathered=False)
     if case.ragged:
         yield replace(case, ragged=False)
+    if case.inference:
+        yield replace(case, inference=False)
     if case.steps > 1:
         yield replace(case, steps=case.steps - 1)
     if case.optimizer != "sgd":
