@@ -8,12 +8,16 @@
   ``zero3_options`` or a DeepSpeed ZeRO-3 config (``deepspeed_config.py``);
 - ``z3hf.Accelerator``: accelerate's ``Accelerator`` for your own loop, unchanged otherwise
   (also under ``accelerate launch --use_deepspeed``); ``z3hf.prepare(accelerator, model, ...)``
-  does the same with a plain one (``accelerate.py``).
+  does the same with a plain one (``accelerate.py``);
+- peft models (LoRA) before or after sharding, saved as peft saves them or merged (``peft.py``);
+- ``z3hf.trl.SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``: TRL's trainers
+  on zero3 (``trl.py``; TRL is imported on first use).
 
 Needs the ``hf`` extra (``pip install zero3_compile[hf]``: transformers, accelerate, safetensors);
 the core package never imports this one.
 """
 
+from . import trl  # noqa: F401  (z3hf.trl.DPOTrainer...; imports TRL on first use only)
 from .accelerate import Accelerator, accumulate, prepare
 from .deepspeed_config import translate as translate_deepspeed_config
 from .loading import from_pretrained
