@@ -3,10 +3,12 @@
 A ``Case`` is plain data: a module tree (Linear, LayerNorm, Embedding, a parameter-holding
 ``Scale``, activations; Sequential / ModuleList / ModuleDict / a ``Residual`` wrapper, nested;
 a module registered under two names; tied parameters; frozen modules or parameters; branches the
-forward never calls), a forward program over it (module calls, loops over lists and dicts,
-calls under ``no_grad``, sums and products, concatenations, in-place ops, views, parameters read
-directly, detaches), what the forward returns (a tensor, tuples, dicts, with non-tensor parts),
-and how it trains (world size, zero3 options, optimizer, steps, micro-batches).
+forward never calls), a forward program over it (module calls, loops over lists and dicts, one
+input through every member of a list summed or concatenated, calls under ``no_grad`` or
+activation checkpointing, graph breaks, sums and products, concatenations, in-place ops, views,
+parameters read directly, detaches), what the forward returns (a tensor, tuples, dicts, with
+non-tensor parts), and how it trains (world size, zero3 options, optimizer, steps, micro-batches
+with gradient sync off but the last, a batch size that changes, an inference forward after).
 
 ``cases()`` is the hypothesis strategy; ``draw_cases(n, seed)`` draws ``n`` deterministically.
 ``source(case)`` renders a case as a standalone Python module: it is what runs (``build``
@@ -60,12 +62,11 @@ class Step:
 class Case:
     width: int
     tree: tuple[tuple[str, Mod], ...]  # the root's children
-    ties: tuple[
-        tuple[str, str, str, str], ...
-    ] = ()  # (path, name, source path, name): one Parameter
+    # (path, name, source path, source name): the source's Parameter set on path too
+    ties: tuple[tuple[str, str, str, str], ...] = ()
     frozen: tuple[str, ...] = ()  # paths (a module or "path.param") set requires_grad=False
     program: tuple[Step, ...] = ()
-    output: tuple = ("tensor", 0)  # structure over value indices (see _render_output)
+    output: tuple = ("value", 0)  # structure over value indices (see _render_output)
     loss_values: tuple[int, ...] = ()  # output leaves (in order) the loss reads
     world: int = 2
     options: tuple[tuple[str, Any], ...] = (("codegen", "eager"),)
@@ -247,7 +248,7 @@ def init_source(case: Case) -> str:
 # ----------------------------------------------------------------------------- the program
 
 
-def _render_step(i: int, step: Step, width: int) -> list[str]:
+def _render_step(i: int, step: Step) -> list[str]:
     h = f"h{i}"
     a = step.args
     v = lambda j: f"h{j}"  # noqa: E731
@@ -366,7 +367,7 @@ def source(case: Case) -> str:
     """The case as a standalone Python module: ``Model``, ``loss_fn`` and how it trains."""
     body = []
     for i, step in enumerate(case.program, start=1):
-        body += _render_step(i, step, case.width)
+        body += _render_step(i, step)
     forward = [
         "",
         "    def forward(self, x, ids):",
@@ -434,7 +435,7 @@ _OPTION_DRAWS = {
     "prefetch_depth": (0, 2, 3),
     "reduce_scatter_depth": (2,),
     "max_inflight_bytes": (64,),
-    "memory_budget_mb": (0.02, 1000.0),  # trims what it keeps; keeps everything
+    "memory_budget_mb": (0.02, 1000.0),  # 20 KiB: keeps some gathered (small models); all
     "reshard_after_forward": (False,),
     "fused_copies": (True,),
 }

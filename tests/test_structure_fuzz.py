@@ -18,8 +18,9 @@ from .structure_cases import draw_cases, source, walk
 
 # world size -> (seed, cases, how many of them compile with Inductor); each slice is every 5th
 # case of a draw 5 times as long (hypothesis starts simple), the seeds picked for the variety of
-# their cases (ties, frozen parameters, accumulation, ModuleList branches, a ragged batch)
-SLICE = {1: (213, 4, 0), 2: (104, 8, 1), 3: (230, 4, 0)}
+# their cases (test_the_slice_draws_every_kind_of_structure); world 2's case 7 failed before
+# 112eb46 (a parameter written in place into the output lost its gradient)
+SLICE = {1: (213, 4, 0), 2: (129, 8, 1), 3: (231, 4, 0)}
 
 
 @functools.cache
@@ -46,7 +47,7 @@ PARAMS = [(world, index) for world, (_, count, _) in SLICE.items() for index in 
 def test_random_structure_trains_like_eager(world, index):
     case = _cases(world)[index]
     result = _results(world)[index]
-    assert result["status"] in ("ok", "invalid"), (
+    assert result["status"] == "ok", (
         f"{result['status']}: {result['detail']}\n{result.get('traceback', '')}\n"
         f"{source(case)}\n"
         f"replay: python -m bench.fuzz_structures --replay '{case.to_json()}'"
@@ -58,7 +59,8 @@ def test_the_slice_draws_every_kind_of_structure():
     drawn = [case for world in SLICE for case in _cases(world)]
     ops = {step.op for case in drawn for step in case.program}
     kinds = {mod.kind for case in drawn for _, mod in walk(case.tree)}
-    assert {"call", "branches", "inplace", "view", "param", "no_grad", "graph_break"} <= ops, ops
+    wanted = {"call", "loop", "branches", "inplace", "view", "param", "no_grad", "graph_break"}
+    assert wanted | {"checkpoint"} <= ops, ops
     assert {"list", "dict", "seq", "residual", "ref"} <= kinds, kinds
     assert any(case.frozen for case in drawn) and any(case.ties for case in drawn)
     assert any(case.micro_batches > 1 for case in drawn) and any(case.ragged for case in drawn)
