@@ -17,15 +17,16 @@ import torch
 from .dist_utils import run_scenarios
 from .hf_models import VOCAB
 
+# all of one length: every batch pads to the same shape, one compile per graph
 TEXTS = [
     "hello world.",
-    "the cat sat on the mat",
-    "zero three shards",
-    "abc def ghi",
-    "one two three four",
-    "lora adapters train",
-    "dpo prefers chosen",
-    "grpo samples groups",
+    "the cat sat ",
+    "zero3 shards",
+    "abc def ghi.",
+    "one two four",
+    "lora adapter",
+    "dpo prefers.",
+    "grpo samples",
 ]
 KINDS = ("sft", "dpo", "grpo", "reward")
 
@@ -136,7 +137,7 @@ def _trainer(namespace, kind: str, model, out: str, world: int, **extra):
                                     processing_class=tokenizer(), **extra)  # fmt: skip
     if kind == "grpo":
         data = datasets.Dataset.from_dict({"prompt": TEXTS})
-        args = trl.GRPOConfig(**settings, **extra.pop("grpo", {}))
+        args = trl.GRPOConfig(**{**settings, **extra.pop("grpo", {})})
         return namespace.GRPOTrainer(model=model, reward_funcs=_reward, args=args,
                                      train_dataset=data, processing_class=tokenizer(), **extra)  # fmt: skip
     data = datasets.Dataset.from_dict({"chosen": TEXTS, "rejected": [t[:4] for t in TEXTS]})
@@ -184,11 +185,13 @@ def _train(trainer) -> None:
 def _plain(rank, world, kind, path, out):
     import trl
 
+    start = time.process_time()
     torch.manual_seed(0)
     model = _auto(kind).from_pretrained(path)
     trainer = _trainer(trl, kind, model, out, world)
     _train(trainer)
-    return {"logged": _logged(trainer), "params": _params(model)}
+    return {"logged": _logged(trainer), "params": _params(model),
+            "cpu_s": time.process_time() - start}  # fmt: skip
 
 
 @functools.cache
@@ -212,6 +215,8 @@ def _zero3_run(rank, world, kind, path, out, gather):
     extra = {"zero3_options": {"codegen": "eager"}}
     if kind == "grpo":
         extra["grpo"] = {"ds3_gather_for_generation": gather}
+        if gather:  # generation inside an accumulation window (sync off): the same global batch
+            extra["grpo"].update(per_device_train_batch_size=1, gradient_accumulation_steps=2)
     trainer = _trainer(z3trl, kind, model, out, world, **extra)
     found = {}
     if kind == "dpo":  # built by TRL from the policy's name, loaded sharded
@@ -303,7 +308,7 @@ def _example(rank, world, out) -> str:
 SCENARIOS = [
     ("sft", True),
     ("dpo", True),
-    ("grpo", True),  # gathered for generation
+    ("grpo", True),  # gathered for generation, with gradient accumulation
     ("grpo", False),  # streamed: each layer gathered as the forward reads it, ranks in step
     ("reward", True),
     ("mixins", True),
@@ -312,7 +317,9 @@ SCENARIOS = [
 
 
 def _scenario(rank, world, kind, gather, path, root):
-    torch._dynamo.reset()  # each scenario its own compile caches, as in its own process
+    # one process runs every scenario: the same code (a decorated forward) compiled for each
+    # model and call shape would pass dynamo's per-function limit of 8 and fall back to eager
+    torch._dynamo.config.recompile_limit = 64
     start = time.process_time()
     out = os.path.join(root, f"{kind}-{gather}")
     if kind == "mixins":

@@ -8,8 +8,9 @@ trainer.save_model(out)                                      # a normal Hugging 
 ```
 What changes against the plain ``Trainer`` (read in transformers' ``trainer.py``):
 
-- the model is sharded (``z3.shard``) unless it is already (``z3hf.from_pretrained``), and
-  ``_wrap_model`` returns it compiled with the ``zero3`` backend: the Trainer then hands only the
+- the model is sharded (``z3.shard``) unless it is already (``z3hf.from_pretrained``; a peft
+  model made after sharding counts: ``peft.sharded_runtime``), and ``_wrap_model`` returns it
+  compiled with the ``zero3`` backend: the Trainer then hands only the
   optimizer to ``accelerator.prepare``, so no DDP wrapper; ``torch_compile_backend="zero3"`` is
   accepted and accelerate is not asked to compile (its backend list is closed) nor to autocast
   (``bf16`` becomes the model's ``MixedPrecision``: bf16 compute and gathers, fp32 reductions and
@@ -18,10 +19,18 @@ What changes against the plain ``Trainer`` (read in transformers' ``trainer.py``
   micro-batch (``set_requires_gradient_sync``; accelerate's ``no_sync`` does nothing for a model
   it did not wrap);
 - checkpoints: ``save_model`` writes the full weights from every rank's shards
-  (``z3hf.save_pretrained``, all ranks take part); each checkpoint folder also holds the sealed
-  sharded state of model and optimizer (``z3.save_checkpoint``, in ``zero3_state/``), which
-  resume (at any world size), ``load_best_model_at_end`` and the optimizer state load from;
-  the scheduler, RNG and trainer state are Hugging Face's own files.
+  (``z3hf.save_pretrained``, all ranks take part; a peft model's adapter, or merged on request);
+  each checkpoint folder also holds the sealed sharded state of model and optimizer
+  (``z3.save_checkpoint``, in ``zero3_state/``), which resume (at any world size),
+  ``load_best_model_at_end`` and the optimizer state load from; the scheduler, RNG and trainer
+  state are Hugging Face's own files. Its ``optimizer.pt`` is a marker that a plain ``Trainer``
+  cannot load (it would otherwise resume with a fresh optimizer in silence);
+- arguments: by keyword or by position; mixed with another ``Trainer`` subclass (TRL's), in
+  either order, the other class's arguments keep their positions (``_by_keyword``) and the
+  models it builds are sharded (``trl.py``).
+
+Importing this module makes ``accelerate.Accelerator.prepare_model`` refuse a sharded model for
+training (a plain ``Trainer``, TRL trainer or ``accelerator.prepare`` would wrap it in DDP).
 """
 
 from __future__ import annotations
