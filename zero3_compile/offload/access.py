@@ -234,8 +234,9 @@ class OffloadedDTensor(DTensor):
         return DTensor(LiveTensor(values), self._spec, requires_grad=False)
 
     def _zero3_alias(self) -> OffloadedDTensor:
-        """``detach()`` / ``.data``: another ``OffloadedDTensor`` of the same values (a
-        ``Parameter`` made from one is of its class, as torch requires)."""
+        """``detach()``, ``.data``, ``view_as(self)``: another ``OffloadedDTensor`` of the same
+        values (a ``Parameter`` made from one must be of its class; a compiled graph traced
+        over one takes one)."""
         alias = DTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
         alias.__class__ = OffloadedDTensor
         values = self.__dict__.get(_VALUES)
@@ -245,7 +246,9 @@ class OffloadedDTensor(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in _ALIASES and isinstance(args[0], OffloadedDTensor):
+        if isinstance(args[0], OffloadedDTensor) and (
+            func in _ALIASES or (func is aten.view.default and tuple(args[1]) == args[0].shape)
+        ):  # detach(), .data, view_as(itself) (the gate of a compiled graph's inputs)
             return args[0]._zero3_alias()
         originals: dict[int, OffloadedDTensor] = {}
 
