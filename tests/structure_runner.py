@@ -210,7 +210,9 @@ class RankPool:
 
     ``call(fn, *args)`` runs ``fn(rank, world, *args)`` on every rank and returns the results
     by rank. A rank that dies, raises, or does not answer within ``timeout`` seconds gets every
-    rank killed (a fresh group starts on the next call) and raises ``RankFailure``.
+    rank killed (a fresh group starts on the next call) and raises ``RankFailure``. Ranks start
+    the way ``dist_utils.run_ranks`` starts them (its fork server, with the imports preloaded,
+    and its worker), but run ``_serve``: calls come through a queue instead of one at launch.
     """
 
     def __init__(self, world: int):
