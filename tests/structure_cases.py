@@ -73,6 +73,7 @@ class Case:
     optimizer: str = "sgd"
     steps: int = 2
     micro_batches: int = 1
+    plain_accumulation: bool = False  # micro-batches without turning gradient sync off
     keep_gathered: bool = False
     ragged: bool = False  # later steps use another batch size (a dynamic-shape recompile)
     inference: bool = False  # after training, a forward under no_grad compared too
@@ -105,6 +106,7 @@ class Case:
             optimizer=raw["optimizer"],
             steps=raw["steps"],
             micro_batches=raw["micro_batches"],
+            plain_accumulation=raw.get("plain_accumulation", False),
             keep_gathered=raw["keep_gathered"],
             ragged=raw["ragged"],
             inference=raw.get("inference", False),
@@ -248,6 +250,27 @@ def init_source(case: Case) -> str:
 # ----------------------------------------------------------------------------- the program
 
 
+# the arguments of each op that name earlier values (the others are paths, kinds or counts)
+VALUE_ARGS = {
+    "call": (1,),
+    "no_grad": (1,),
+    "checkpoint": (1,),
+    "loop": (1,),
+    "branches": (1,),
+    "embed": (),
+    "binary": (1, 2),
+    "merge": (1, 2),
+    "stack": (0, 1),
+    "cat_view": (0, 1),
+    "act": (1,),
+    "inplace": (1, 2),
+    "view": (1,),
+    "param": (3,),
+    "detach": (0,),
+    "graph_break": (0,),
+}
+
+
 def _render_step(i: int, step: Step) -> list[str]:
     h = f"h{i}"
     a = step.args
@@ -389,6 +412,7 @@ def source(case: Case) -> str:
         "optimizer": case.optimizer,
         "steps": case.steps,
         "micro_batches": case.micro_batches,
+        "plain_accumulation": case.plain_accumulation,
         "keep_gathered": case.keep_gathered,
         "ragged": case.ragged,
         "inference": case.inference,
@@ -698,7 +722,9 @@ def cases(
     micro_batches = 1
     if "accumulation" not in excluded:
         micro_batches = draw(st.sampled_from([1, 1, 2, 3]))
-    keep = micro_batches > 1 and "keep_gathered" not in excluded and draw(st.booleans())
+    plain = micro_batches > 1 and draw(st.integers(0, 2)) == 1
+    keep = not plain and micro_batches > 1 and "keep_gathered" not in excluded
+    keep = keep and draw(st.booleans())
     return replace(
         case,
         program=program,
@@ -709,6 +735,7 @@ def cases(
         optimizer=draw(st.sampled_from(["sgd", "adamw"])),
         steps=draw(st.sampled_from([2, 2, 3])),
         micro_batches=micro_batches,
+        plain_accumulation=plain,
         keep_gathered=keep,
         ragged="ragged" not in excluded and draw(st.integers(0, 6)) == 3,
         inference="inference" not in excluded and draw(st.integers(0, 3)) == 1,

@@ -49,7 +49,10 @@ class Training:
     optimizer: str = "sgd"
     steps: int = 2
     micro_batches: int = 1
-    keep_gathered: bool = False  # with micro_batches > 1: set_requires_gradient_sync's
+    # micro-batches before the last run with gradient sync off (False: plain accumulation,
+    # every backward reduces); keep_gathered: set_requires_gradient_sync's
+    sync_off: bool = True
+    keep_gathered: bool = False
     inference: bool = False  # after training, compare a forward under no_grad too
 
     @property
@@ -133,7 +136,7 @@ def train_and_compare(
     for step in range(training.steps):
         loss_sum, ref_loss_sum = 0.0, 0.0
         for micro in range(micro_batches):
-            if micro_batches > 1:
+            if micro_batches > 1 and training.sync_off:
                 sync = micro == micro_batches - 1
                 keep = training.keep_gathered and not sync
                 z3.set_requires_gradient_sync(model, sync, keep_gathered=keep)
@@ -332,6 +335,7 @@ def run_case(rank: int, world: int, case_json: str) -> dict[str, Any]:
         optimizer=case.optimizer,
         steps=case.steps,
         micro_batches=case.micro_batches,
+        sync_off=not case.plain_accumulation,
         keep_gathered=case.keep_gathered,
         inference=case.inference,
     )

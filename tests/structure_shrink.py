@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from .structure_cases import Case, Step, source
+from .structure_cases import VALUE_ARGS, Case, Step, source
 from .structure_runner import signature
 
 
@@ -20,7 +20,7 @@ def _without_step(case: Case, index: int) -> Case | None:
     first input instead (or ``x``); later values renumbered."""
     removed = index + 1
     step = case.program[index]
-    ints = [a for a in step.args if isinstance(a, int) and not isinstance(a, bool)]
+    ints = [a for k, a in enumerate(step.args) if k in VALUE_ARGS[step.op] and a is not None]
     stand_in = ints[0] if ints else 0
 
     def remap(j):
@@ -29,7 +29,13 @@ def _without_step(case: Case, index: int) -> Case | None:
         return j - 1 if j > removed else j
 
     def remap_step(s: Step) -> Step:
-        return Step(s.op, tuple(remap(a) if isinstance(a, int) else a for a in s.args))
+        values = VALUE_ARGS[s.op]
+        return Step(
+            s.op,
+            tuple(
+                remap(a) if k in values and isinstance(a, int) else a for k, a in enumerate(s.args)
+            ),
+        )
 
     def remap_output(o):
         if o[0] == "value":
@@ -61,7 +67,7 @@ def shrink_candidates(case: Case) -> Iterator[Case]:
         if name != "codegen":
             yield replace(case, options=tuple((k, v) for k, v in case.options if k != name))
     if case.micro_batches > 1:
-        yield replace(case, micro_batches=1, keep_gathered=False)
+        yield replace(case, micro_batches=1, keep_gathered=False, plain_accumulation=False)
     if case.keep_gathered:
         yield replace(case, keep_gathered=False)
     if case.ragged:

@@ -1,5 +1,6 @@
 """Model structures that once failed, each trained sharded against single-process eager
-(2 gloo ranks, eager codegen, all in one process launch): losses, gradients and final parameters.
+(2 gloo ranks, and 1 where the bug was a single rank's; eager codegen; one process launch per
+world size): losses, gradients and final parameters.
 
 Each scenario is named after what broke; the docstring of its model says what it was.
 """
@@ -151,9 +152,27 @@ SCENARIOS = {
 }
 
 
+# on one rank the reduced gradient is (a view of) the graph's gradient, no collective between
+ONE_RANK = {
+    # Found by the structure fuzzer: the summed branches' gradients are one graph node (autograd's
+    # CSE), so both weights' .grad were views of one tensor; accumulating micro-batches into one
+    # added into the other too (grads 2x-3x too large, silently)
+    "one_rank_summed_branches_accumulated": (
+        SummedListBranches,
+        _mse,
+        Training(EAGER, micro_batches=2),
+    ),
+    "one_rank_summed_branches_plain_accumulation": (
+        SummedListBranches,
+        _mse,
+        Training(EAGER, micro_batches=2, sync_off=False),
+    ),
+}
+
+
 def _run(rank, world, name):
     torch._dynamo.reset()
-    make_model, loss_fn, training = SCENARIOS[name]
+    make_model, loss_fn, training = {**SCENARIOS, **ONE_RANK}[name]
     torch.manual_seed(0)
     try:
         return train_and_compare(rank, world, make_model(), loss_fn, _batch, training)
@@ -162,11 +181,18 @@ def _run(rank, world, name):
 
 
 @functools.cache
-def _results():
-    return run_scenarios(_run, 2, [(name,) for name in SCENARIOS])
+def _results(world: int):
+    names = SCENARIOS if world == 2 else ONE_RANK
+    return run_scenarios(_run, world, [(name,) for name in names])
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_structure_trains_like_eager(name):
-    for rank, problems in enumerate(_results()[(name,)]):
+    for rank, problems in enumerate(_results(2)[(name,)]):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+@pytest.mark.parametrize("name", list(ONE_RANK))
+def test_structure_trains_like_eager_on_one_rank(name):
+    (problems,) = _results(1)[(name,)]
+    assert problems == [], problems

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from ...collectives.arithmetic import reduce_bytes
@@ -15,7 +16,7 @@ from ..buckets import BucketRecord, GraphEmit, add_record
 from ..context import PassContext
 from ..graph_utils import move_users_after, node_order, output_node
 from ..markers import ReduceGradCall
-from ..node_keys import BUCKET
+from ..node_keys import BUCKET, ROLE_REDUCE_COPY_OUT
 
 
 def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -75,6 +76,7 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     issued: list[_Issued] = []
     previous: fx.Node | None = None  # the last node of the previous bucket's issue
+    handed_out: set[fx.Node] = set()  # gradients a shard without a collective is a view of
     for index in sorted(buckets):
         order = node_order(graph)
         members = sorted(buckets[index], key=order.__getitem__)
@@ -101,8 +103,15 @@ def lower_reductions(gm: fx.GraphModule, ctx: PassContext) -> None:
         emit = GraphEmit(graph, record, source=members[0])
         if not scheme.stages:  # in place: no collective to wait for
             for marker, call in zip(members, calls):
+                grad = call.grad
                 with graph.inserting_before(marker):
-                    shards = scheme.copy_out(emit, [call.grad], [call.spec], [call.shard_shape])
+                    if grad in handed_out:
+                        # the shard is (a view of) its gradient: one gradient node for several
+                        # parameters (autograd's CSE of equal gradients) would give them one
+                        # storage, and accumulating into one .grad would change the others
+                        grad = emit.node(ROLE_REDUCE_COPY_OUT, torch.ops.aten.clone.default, grad)
+                    handed_out.add(call.grad)
+                    shards = scheme.copy_out(emit, [grad], [call.spec], [call.shard_shape])
                 _replace([marker], shards, graph)
             continue
         # issued after its last gradient and after the previous bucket: buckets whose last
