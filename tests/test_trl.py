@@ -187,10 +187,11 @@ def _plain(rank, world, kind, path, out):
 
     start = time.process_time()
     torch.manual_seed(0)
-    model = _auto(kind).from_pretrained(path)
+    # SFT gets the model's path: TRL loads it (under zero3: sharded as it loads)
+    model = path if kind == "sft" else _auto(kind).from_pretrained(path)
     trainer = _trainer(trl, kind, model, out, world)
     _train(trainer)
-    return {"logged": _logged(trainer), "params": _params(model),
+    return {"logged": _logged(trainer), "params": _params(trainer.model),
             "cpu_s": time.process_time() - start}  # fmt: skip
 
 
@@ -211,7 +212,7 @@ def _zero3_run(rank, world, kind, path, out, gather):
     from zero3_compile.sharding.state import state_of
 
     torch.manual_seed(0)
-    model = z3hf.from_pretrained(_auto(kind), path)
+    model = path if kind == "sft" else z3hf.from_pretrained(_auto(kind), path)
     extra = {"zero3_options": {"codegen": "eager"}}
     if kind == "grpo":
         extra["grpo"] = {"ds3_gather_for_generation": gather}
@@ -227,7 +228,9 @@ def _zero3_run(rank, world, kind, path, out, gather):
             if p.dim() and p.shape[0] > 1
         ]
     _train(trainer)
-    return {"logged": _logged(trainer), "params": _params(model), **found}
+    if kind == "sft":  # loaded by TRL from the path
+        found["loaded sharded"] = all(state_of(p) is not None for p in trainer.model.parameters())
+    return {"logged": _logged(trainer), "params": _params(trainer.model), **found}
 
 
 def _mixins(rank, world, path, out):
@@ -250,7 +253,8 @@ def _mixins(rank, world, path, out):
     found = {}
     for name, klass in (("first", First), ("second", Second), ("z3trl", z3trl.DPOTrainer)):
         policy = auto.from_pretrained(path)
-        given = auto.from_pretrained(path)  # unsharded: sharded by the trainer
+        # a reference model given unsharded (sharded by the trainer), or sharded already
+        given = z3hf.from_pretrained(auto, path) if name == "z3trl" else auto.from_pretrained(path)
         trainer = _trainer(_Positional(klass), "dpo", policy, os.path.join(out, name), world,
                            ref_model=given, zero3_options={"codegen": "eager"})  # fmt: skip
         found[name] = {
@@ -365,6 +369,8 @@ def _compare(kind: str, gather: bool = True) -> None:
 
 def test_sft_trains_like_trl_in_one_process():
     _compare("sft")
+    for per_rank in zero3()[("sft", True)]:
+        assert per_rank["loaded sharded"]  # TRL loaded the model from its path, into shards
 
 
 def test_dpo_trains_like_trl_in_one_process_with_its_reference_model_sharded():
