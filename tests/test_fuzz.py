@@ -163,8 +163,10 @@ def _two_ranks(rank, world, scratch):
     torch._dynamo.reset()
     torch.manual_seed(0)
     # another model on one rank: the ranks' collectives differ
-    model = z3.shard(_mlp(extra=rank == 1), sync_timeout_s=60)
-    out["other model"] = _outcome(lambda: _step(model, torch.randn(2, 8)))
+    # (the ranks compare their models when shard() broadcasts the first rank's values)
+    out["other model"] = _outcome(
+        lambda: _step(z3.shard(_mlp(extra=rank == 1), sync_timeout_s=60), torch.randn(2, 8))
+    )
     dist.barrier()
     torch._dynamo.reset()
     # other options on one rank (bucket sizes that split the buckets differently)

@@ -7,7 +7,7 @@ bucket, not per tensor); on a 2-D (hybrid) mesh the source's values cross the ro
 its column), then each row (from its member in the source's column).
 
 Before a broadcast the ranks check that they hold the same list of tensors (``agree_on``): one
-all-reduce of a digest of the names, shapes and dtypes, so a rank with another model raises a
+all-gather of a digest of the names, shapes and dtypes, so a rank with another model raises a
 clear error instead of corrupting memory or hanging in a collective of another size.
 """
 
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.guard import CollectiveMismatchError
 from ..sharding.mesh import DataParallelMesh
 
 BUCKET_BYTES = 64 << 20  # of a broadcast's flattened bucket (a larger tensor goes alone)
@@ -39,16 +40,30 @@ def all_reduce_mesh(tensor: torch.Tensor, dp: DataParallelMesh, op=dist.ReduceOp
 
 
 def agree_on(dp: DataParallelMesh, entries: Sequence[str], what: str) -> None:
-    """Raise on every rank unless every rank of the mesh passed the same ``entries``."""
+    """Raise ``CollectiveMismatchError`` on every rank, naming the ranks that differ, unless every
+    rank of the mesh passed the same ``entries``: each rank's (rank, digest) pair gathered over
+    the mesh, one small all-gather per mesh dimension."""
     digest = zlib.crc32("\n".join(entries).encode())
-    device = mesh_device(dp)
-    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    all_reduce_mesh(bounds, dp, dist.ReduceOp.MAX)
-    if int(bounds[0]) != digest or int(bounds[1]) != -digest:
-        raise RuntimeError(
-            f"zero3: the ranks hold different {what} (this rank: {len(entries)} entries, first "
-            f"{list(entries[:3])}); every rank must build the same model and call this with "
-            "the same arguments"
+    pairs = torch.tensor([[dist.get_rank(), digest]], dtype=torch.int64, device=mesh_device(dp))
+    for group in (dp.shard_group, dp.replicate_group):
+        if group is None:
+            continue
+        parts = [torch.empty_like(pairs) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, pairs, group=group)
+        pairs = torch.cat(parts)
+    holders: dict[int, list[int]] = {}
+    for rank, value in sorted(pairs.tolist()):
+        holders.setdefault(value, []).append(rank)
+    if len(holders) > 1:
+        lists = sorted(holders.values())
+        described = "; ".join(
+            " and ".join(f"rank {r}" for r in ranks) + f" hold list {i + 1}"
+            for i, ranks in enumerate(lists)
+        )
+        raise CollectiveMismatchError(
+            f"zero3: the ranks hold different {what} ({described}; this rank, rank "
+            f"{dist.get_rank()}: {len(entries)} entries, first {list(entries[:3])}); every rank "
+            "must build the same model and call this with the same arguments"
         )
 
 
