@@ -42,7 +42,11 @@ def materialize(
         z3.materialize(model, init_fn=model._init_weights)  # one module at a time
         ```
     """
-    workspace = _Workspace()
+    # sized once for the largest module: a buffer grown midway could stay alive beside its
+    # successor while a collective still holds it
+    workspace = _Workspace(
+        max((_Workspace.nbytes(_full_specs(m)) for m in model.modules()), default=0)
+    )
     _apply_post_order(model, lambda module: _materialize_module(module, init_fn, workspace))
     for name, buffer in list(model.named_buffers()):
         if buffer.device.type == "meta":
@@ -79,17 +83,27 @@ class _Workspace:
 
     _ALIGN = 64
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity  # bytes: the largest module's (see materialize)
         self.buffer: torch.Tensor | None = None
 
-    def tensors(self, specs: list[tuple[tuple, torch.dtype]], device) -> list[torch.Tensor]:
-        sizes = [
-            -(-math.prod(shape) * dtype.itemsize // self._ALIGN) * self._ALIGN
+    @classmethod
+    def nbytes(cls, specs: list[tuple[tuple, torch.dtype]]) -> int:
+        return sum(cls._sizes(specs))
+
+    @classmethod
+    def _sizes(cls, specs: list[tuple[tuple, torch.dtype]]) -> list[int]:
+        return [
+            -(-math.prod(shape) * dtype.itemsize // cls._ALIGN) * cls._ALIGN
             for shape, dtype in specs
         ]
+
+    def tensors(self, specs: list[tuple[tuple, torch.dtype]], device) -> list[torch.Tensor]:
+        sizes = self._sizes(specs)
         if self.buffer is None or self.buffer.numel() < sum(sizes) or self.buffer.device != device:
             self.buffer = None
-            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            size = max(sum(sizes), self.capacity)
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         out, offset = [], 0
         for (shape, dtype), size in zip(specs, sizes):
             nbytes = math.prod(shape) * dtype.itemsize
@@ -102,11 +116,7 @@ def _materialize_module(
     module: nn.Module, init_fn: Callable[[nn.Module], None] | None, workspace: _Workspace
 ) -> None:
     state = module_state(module)
-    own = {
-        name: param
-        for name, param in module._parameters.items()
-        if param is not None and state_of(param) is not None
-    }
+    own = _own_sharded(module)
     if not own:
         if init_fn is not None:
             init_fn(module)
@@ -114,9 +124,7 @@ def _materialize_module(
     swapped_class = type(module)
     base = base_class(module)
     device = _target_device(own.values())
-    storage = workspace.tensors(
-        [(state.params[name].full_shape, p.dtype) for name, p in own.items()], device
-    )
+    storage = workspace.tensors(_full_specs(module), device)
     full = {
         name: nn.Parameter(tensor, requires_grad=p.requires_grad)
         for (name, p), tensor in zip(own.items(), storage)
@@ -144,6 +152,21 @@ def _materialize_module(
         broadcast_from(list(values.values()), root.dp, source_rank(root.dp, None), coalesce=False)
     for name, param in own.items():
         _keep_local_chunk(param, values[name], device)
+
+
+def _own_sharded(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The module's own sharded parameters, by attribute name."""
+    return {
+        name: param
+        for name, param in module._parameters.items()
+        if param is not None and state_of(param) is not None
+    }
+
+
+def _full_specs(module: nn.Module) -> list[tuple[tuple, torch.dtype]]:
+    """(full shape, dtype) of each of the module's own sharded parameters."""
+    state = module_state(module)
+    return [(state.params[name].full_shape, p.dtype) for name, p in _own_sharded(module).items()]
 
 
 def _target_device(params) -> torch.device:
