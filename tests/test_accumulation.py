@@ -133,8 +133,10 @@ def test_shard_reads_of_torch_2_11_keep_missing_gradients_missing():
 # ------------------------------------------------ requires_grad toggled within and between steps
 
 # Optimizer steps, each a list of micro-batches; sync is off for every micro-batch but a step's
-# last. A micro-batch names the layers frozen (requires_grad=False) for it, and "-b" when it does
-# not use layer b. Odd steps freeze before turning sync back on, even ones after.
+# last. A micro-batch names the layers frozen (requires_grad=False) for it, "-b" when it does
+# not use layer b, "o" when the model also returns layer d's output, which the loss does not
+# read, and "o0" when only rank 0's loss reads it. Odd steps freeze before turning sync back on,
+# even ones after.
 SCHEDULE = [
     ["b", ""],  # frozen in a sync-off micro-batch, trained in the synced one: only that counts
     ["", "b"],  # trained, then frozen (before sync is on): the first counts
@@ -147,6 +149,10 @@ SCHEDULE = [
     ["", ""],
     ["c"],
     [""],
+    # d feeds only an output the loss does not read: no gradient, as in eager (kept gathered, it
+    # ended the window with zeros, and AdamW's weight decay moved it)
+    ["o", "o", "o"],
+    ["o", "o0", "o"],  # compiled: one rank's loss reaches d, the others reduce zeros with it
 ]
 
 
@@ -159,12 +165,13 @@ class _Toggled(torch.nn.Module):
             torch.nn.Linear(8, 8),
             torch.nn.Linear(8, 3),
         )
+        self.d = torch.nn.Linear(6, 2)  # steps 11, 12: an output the loss ignores (but one rank's)
 
-    def forward(self, x, use_b: bool = True):
+    def forward(self, x, use_b: bool = True, side: bool = False):
         h = torch.tanh(self.a(x))
         if use_b:
             h = torch.tanh(self.b(h))
-        return self.c(h)
+        return (self.c(h), self.d(x)) if side else self.c(h)
 
 
 def _set_frozen(model, micro_batch: str) -> None:
@@ -200,9 +207,18 @@ def _toggle(rank, world_size, compiled, keep_gathered):
                 gen = torch.Generator().manual_seed(100 * s + k)
                 x = torch.randn(world_size * PER_RANK_BATCH, 6, generator=gen)
                 y = torch.randn(world_size * PER_RANK_BATCH, 3, generator=gen)
-                use_b = "-b" not in micro_batch
-                F.mse_loss(step_model(x[mine], use_b), y[mine]).backward()
-                F.mse_loss(reference(x, use_b), y).backward()
+                use_b, side = "-b" not in micro_batch, "o" in micro_batch
+                out_mine, out_ref = step_model(x[mine], use_b, side), reference(x, use_b, side)
+                loss, ref_loss = 0, 0
+                # rank 0's rows, averaged over the ranks; compiled only (uncompiled, zero3
+                # reduces each gradient where it arises: rank-dependent use mismatches)
+                if "o0" in micro_batch and compiled:
+                    loss = out_mine[1].sum() if rank == 0 else 0
+                    ref_loss = out_ref[1][:PER_RANK_BATCH].sum() / world_size
+                if side:
+                    out_mine, out_ref = out_mine[0], out_ref[0]
+                (F.mse_loss(out_mine, y[mine]) + loss).backward()
+                (F.mse_loss(out_ref, y) + ref_loss).backward()
             params = dict(model.named_parameters())
             out["grads"].append(
                 {n: None if p.grad is None else p.grad.full_tensor() for n, p in params.items()}
@@ -232,8 +248,9 @@ def test_requires_grad_toggled_between_micro_batches_and_steps_trains_like_eager
     compiled, keep_gathered
 ):
     """A parameter frozen for a micro-batch gets no gradient from it, one frozen (or unused) in
-    the synced micro-batch keeps the earlier ones' (the step used to refuse), and layers frozen
-    for whole steps train again when unfrozen: gradients and parameters equal eager's."""
+    the synced micro-batch keeps the earlier ones' (the step used to refuse), layers frozen
+    for whole steps train again when unfrozen, and one feeding only an output the loss ignores
+    gets none (AdamW's weight decay leaves it as it is): gradients and parameters equal eager's."""
     for r in _toggles()[(compiled, keep_gathered)]:
         for s, (grads, want) in enumerate(zip(r["grads"], r["ref_grads"])):
             for name, value in want.items():

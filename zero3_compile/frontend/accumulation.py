@@ -24,7 +24,9 @@ gradient reduced there and then (no backward will reach it).
 ``set_reshard_after_backward(False)``): each is gathered once when sync is turned off, and the
 micro-batches until sync is turned back on run no collective at all (their graphs read the kept
 parameters, and the full gradients accumulate on them). Turning sync on reduce-scatters the
-accumulated gradients into the shards' ``.grad`` and frees the kept parameters. It costs a full
+accumulated gradients into the shards' ``.grad`` and frees the kept parameters; one that no
+rank's loss reached in the window (it fed only outputs the loss ignored) keeps ``grad is None``,
+as in eager training (the ranks agree on which first, over the side channel). It costs a full
 parameter and a full gradient per rank (in the shard's dtype) over the window: DDP's memory.
 
 While sync is off ``param.grad`` is a ``PendingGrad`` (``pending.py``): in-place scalings of it
@@ -36,6 +38,7 @@ partial gradient (or a stale kept parameter would be read after the step).
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 import torch.nn as nn
@@ -43,7 +46,9 @@ from torch.distributed.tensor import DTensor
 
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
 from ..offload.grads import spool
+from ..runtime import guard
 from ..runtime.optimizers import watch_optimizers
+from ..runtime.root import check_eager
 from ..sharding.spec import ShardSpec
 from ..sharding.state import ShardedParam, ShardState, module_state
 from .loading import sharded_states
@@ -80,12 +85,13 @@ def set_requires_gradient_sync(
         for param_state in state.params.values():
             states.setdefault(id(param_state), param_state)
     # in module order, the same on every rank: the eager collectives below pair up
+    reached = _kept_reached(states.values()) if requires_gradient_sync else set()
     for param_state in states.values():
         if requires_gradient_sync:
             # in-place scalings of param.grad in the window apply to the pending gradient
             param_state.pending_scalings += close_window(param_state)
             if param_state.state is ShardState.KEPT_GATHERED:
-                _release(param_state)
+                _release(param_state, id(param_state) in reached)
             param_state.transition(ShardState.SHARDED)
             if _pending(param_state) is not None and not param_state.param.requires_grad:
                 _reduce_pending(param_state)  # frozen now: no backward reaches its shard
@@ -128,12 +134,34 @@ def _keep(state: ShardedParam) -> None:
     state.kept_full = full
 
 
-def _release(state: ShardedParam) -> None:
-    """Reduce-scatter the kept parameter's accumulated gradient into the shard's; free it."""
+def _kept_reached(states) -> set[int]:
+    """The kept parameters (ids of their states) whose gradient some rank accumulated in the
+    window, agreed over the ranks: one whose outputs no loss read (the runtime gate) has none,
+    and a rank whose loss alone did not reach it reduces zeros with the others."""
+    groups: dict[tuple, list[ShardedParam]] = {}
+    for state in states:
+        if state.state is ShardState.KEPT_GATHERED:
+            groups.setdefault((state.spec.group, state.spec.replicate_group), []).append(state)
+    reached = set()
+    for members in groups.values():
+        for start in range(0, len(members), guard.MAX_PRESENCE):
+            chunk = members[start : start + guard.MAX_PRESENCE]
+            presence = [s.kept_full.grad is not None for s in chunk]
+            code = zlib.crc32(str([s.param_id for s in chunk]).encode()) & 0x7FFFFFFF
+            label = f"kept gradients of {len(chunk)} parameters from {chunk[0].fqn}"
+            with chunk[0].root.active():
+                union = check_eager(chunk[0].spec, guard.KIND_EAGER_REDUCE, code, label, presence)
+            reached.update(id(s) for s, bit in zip(chunk, union or presence) if bit)
+    return reached
+
+
+def _release(state: ShardedParam, reached: bool) -> None:
+    """Reduce-scatter the kept parameter's accumulated gradient into the shard's (zeros where
+    another rank's reached it and this one's did not); free it."""
     full, state.kept_full = state.kept_full, None
-    if full.grad is None:
+    if not reached:
         return
-    _add_reduced(state, full.grad)
+    _add_reduced(state, full.grad if full.grad is not None else torch.zeros_like(full))
 
 
 def _add_reduced(state: ShardedParam, pending: torch.Tensor) -> None:

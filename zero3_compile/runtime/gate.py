@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..compat import compiled_function_offset, is_compiled_function_node
-from ..sharding.state import ShardState, state_of
+from ..sharding.state import ShardState, kept_state_of, state_of
 from . import guard
 from .write_through import GatheredParameter
 
@@ -123,9 +123,11 @@ class GatedCall:
     def _plan(self, args) -> list[tuple[int, frozenset[int]]]:
         """The inputs whose gradient may be structurally absent: sharded parameters, or while
         gradient sync is off (this graph is then compiled for that state) their sinks, which
-        receive the gradient instead. A parameter in that state is never gated itself: its
-        shard gets no gradient from the graph, and AOTAutograd hands a gated shard input its
-        sink's gradient (a full-size plain tensor in the parameter's .grad)."""
+        receive the gradient instead, or the full parameters kept gathered (``keep_gathered``),
+        whose .grad accumulates it (their graphs may run no guard: each rank then decides alone,
+        and turning sync back on agrees over the ranks). A parameter in those states is never gated
+        itself: its shard gets no gradient from the graph, and AOTAutograd hands a gated shard
+        input its sink's gradient (a full-size plain tensor in the parameter's .grad)."""
         deps = self.compile_ctx.gradient_dependencies
         with_tangents = frozenset(j for d in deps.values() if d is not None for j in d)
         if len({id(a) for a in args}) != len(args):  # duplicated inputs: indices are ambiguous
@@ -145,7 +147,7 @@ class GatedCall:
             state = state_of(arg)
             if state is not None and state.state is ShardState.SHARDED:
                 gated.append((index, outputs))
-            elif state is None and id(arg) in sinks:
+            elif state is None and (id(arg) in sinks or kept_state_of(arg) is not None):
                 gated.append((index, outputs))
         return gated
 

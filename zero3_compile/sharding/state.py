@@ -60,6 +60,7 @@ _ALLOWED = {
 _HOLDS_FULL = (ShardState.KEPT_GATHERED, ShardState.GATHERED)
 
 _STATE_ATTR = "_zero3_state"
+_KEPT_ATTR = "_zero3_kept_of"  # on a kept full parameter: its ShardedParam
 
 
 @dataclass(eq=False)
@@ -121,6 +122,8 @@ class ShardedParam:
             assert self.kept_full is not None, "keep the full parameter before the transition"
         if self.state in _HOLDS_FULL:
             assert self.kept_full is None, "release the full parameter before the transition"
+        if new is ShardState.KEPT_GATHERED:  # found among a graph's inputs: kept_state_of
+            self.kept_full.__dict__[_KEPT_ATTR] = self
         self.state = new
 
     def local(self) -> torch.Tensor:
@@ -154,6 +157,17 @@ def state_of(param: Any) -> ShardedParam | None:
         return None
     state = getattr(param, "__dict__", {}).get(_STATE_ATTR)
     return state if isinstance(state, ShardedParam) and state.param is param else None
+
+
+def kept_state_of(tensor: Any) -> ShardedParam | None:
+    """The ``ShardedParam`` whose kept full parameter (``KEPT_GATHERED``) ``tensor`` is, None for
+    anything else (the runtime gate gives it no gradient where eager would leave none)."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    state = getattr(tensor, "__dict__", {}).get(_KEPT_ATTR)
+    if not isinstance(state, ShardedParam) or state.kept_full is not tensor:
+        return None
+    return state if state.state is ShardState.KEPT_GATHERED else None
 
 
 def is_sharded(param: Any) -> bool:
