@@ -744,11 +744,9 @@ def cases(
 
 
 # Features kept out of the draw until the area's owner fixes them (each names its note in
-# /work/coord/NOTES.md):
-# - keep_gathered: /work/coord/NOTES.md 2026-12-07, "with set_requires_gradient_sync(model,
-#   False, keep_gathered=True), a parameter that feeds only a forward output the loss does not
-#   use ends the window with a zero .grad where eager has None" (frontend/accumulation.py's owner)
-EXCLUDED: frozenset[str] = frozenset({"keep_gathered"})
+# /work/coord/NOTES.md). None at present (keep_gathered came back once the gradient gate covered
+# kept parameters: an output the loss ignores left them a zero .grad where eager has None).
+EXCLUDED: frozenset[str] = frozenset()
 
 
 def draw_cases(
