@@ -89,7 +89,11 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     # holds them anyway): rank 0 only, or none with --no-consumer
     consumer = {}
     if cfg["consumer"] and rank == 0:
-        consumer = {k: torch.empty(p.shape, dtype=dtype) for k, p in model.named_parameters()}
+        # resident, as an engine's loaded weights are (untouched pages would be counted as the
+        # export's when the copies first write them)
+        consumer = {k: torch.zeros(p.shape, dtype=dtype) for k, p in model.named_parameters()}
+        for buffer in consumer.values():
+            buffer.fill_(0)
     dist.barrier()
     _reset_peak()
     before = _status_bytes("VmRSS")
