@@ -174,8 +174,8 @@ def _holds_live(tree) -> bool:
     return any(isinstance(t, LiveTensor) for t in tree_flatten(tree)[0])
 
 
-def _written(func, args, kwargs) -> list:
-    """The arguments an operation writes (its schema's mutable ones), lists flattened."""
+def written_arguments(func, args, kwargs) -> list:
+    """The tensors an operation writes (its schema's mutable arguments), lists flattened."""
     written = []
     for index, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -184,8 +184,16 @@ def _written(func, args, kwargs) -> list:
             value = kwargs.get(argument.name)
         else:
             value = args[index]
-        written.extend(value if isinstance(value, (list, tuple)) else [value])
-    return [t for t in written if isinstance(t, LiveTensor)]
+        if isinstance(value, (list, tuple)):
+            written.extend(value)
+        elif value is not None:
+            written.append(value)
+    return written
+
+
+def _written(func, args, kwargs) -> list:
+    """The live tensors an operation writes."""
+    return [t for t in written_arguments(func, args, kwargs) if isinstance(t, LiveTensor)]
 
 
 def _run(func, args, kwargs):

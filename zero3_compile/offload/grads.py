@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from ..compat import storage_key
+from .access import written_arguments
 from .deferred import wrapper_tensor
 from .store import DiskStore, HostStore, OffloadError, Region
 
@@ -390,23 +391,6 @@ if _FOREACH_NORM is not None:
 _warned_bulk_read = False
 
 
-def _written_arguments(func, args, kwargs) -> list:
-    """The tensors an operation writes (its schema's mutable arguments), lists flattened."""
-    written = []
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.kwarg_only or index >= len(args):
-            value = kwargs.get(argument.name)
-        else:
-            value = args[index]
-        if isinstance(value, (list, tuple)):
-            written.extend(value)
-        elif value is not None:
-            written.append(value)
-    return written
-
-
 def _read_and_run(func, args, kwargs):
     """Any other operation: read the spooled values, run it, store what it wrote."""
     global _warned_bulk_read
@@ -429,7 +413,7 @@ def _read_and_run(func, args, kwargs):
             len(read),
         )
     out = func(*plain_args, **plain_kwargs)
-    written = {id(t) for t in _written_arguments(func, args, kwargs)}
+    written = {id(t) for t in written_arguments(func, args, kwargs)}
     by_value = {}
     for key, (spooled, value) in read.items():
         if key in written:
