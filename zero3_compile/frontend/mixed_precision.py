@@ -1,48 +1,17 @@
-"""Mixed precision policy: gather and compute in a low precision, keep fp32 master shards."""
+"""Mixed precision on a sharded model: gather and compute in a low precision, keep fp32 master
+shards. The policy type, ``MixedPrecision``, is the sharding layer's (``sharding/policy.py``;
+importable from here too); this module casts the root module's inputs and outputs and changes a
+model's policy (``set_mixed_precision``)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ..sharding.policy import MixedPrecision
 
-@dataclass(frozen=True)
-class MixedPrecision:
-    """How parameters, inputs, gradients and outputs are cast.
-
-    param_dtype: dtype shards are cast to before the all-gather (half the bytes on the wire for
-        bf16) and the forward and backward compute in. The shards, their gradients and the
-        optimizer state keep the parameters' own dtype (fp32 master weights).
-    reduce_dtype: dtype gradients are reduce-scattered (summed over ranks) in; default: the
-        gradient's dtype, i.e. param_dtype. fp32 avoids summing in bf16.
-    cast_forward_inputs: cast floating-point tensors passed to the root module's forward to
-        param_dtype (so ``model(x_fp32)`` works with bf16 weights).
-    output_dtype: cast floating-point outputs of the root module's forward to this dtype.
-
-    Example:
-        ```python
-        policy = z3.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        z3.shard(model, mp_policy=policy)  # bf16 gathers and compute, fp32 reductions and shards
-        ```
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-    output_dtype: torch.dtype | None = None
-
-    def validate(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (
-                isinstance(value, torch.dtype) and value.is_floating_point
-            ):
-                raise ValueError(
-                    f"zero3: MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}"
-                )
+__all__ = ["MixedPrecision", "install_hooks", "set_mixed_precision"]
 
 
 def _cast_floating(dtype: torch.dtype):

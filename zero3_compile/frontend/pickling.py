@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..sharding.mesh import DataParallelMesh
+from ..sharding.policy import MixedPrecision
 from ..sharding.state import (
     ModuleState,
     ShardedParam,
@@ -16,7 +17,6 @@ from ..sharding.state import (
     state_of,
 )
 from .classes import BASE, class_namespace, generated_class, reclass
-from .mixed_precision import MixedPrecision
 
 
 def reduce_ex(self: nn.Module, protocol):

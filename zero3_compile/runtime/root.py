@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..sharding.mesh import DataParallelMesh
+from ..sharding.policy import MixedPrecision
 from ..sharding.spec import ShardSpec
 from .guard import DEFAULT_TIMEOUT_S, Guard, channel_of, open_channel, run_check
 
@@ -34,13 +35,13 @@ class Zero3Runtime:
     def __init__(
         self,
         dp: DataParallelMesh,
-        policy: Any,
+        policy: MixedPrecision,
         device: torch.device,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         offload: Any = None,
     ):
         self.dp = dp
-        self.policy = policy  # frontend.mixed_precision.MixedPrecision
+        self.policy = policy
         self.device = device
         self.offload = offload  # offload.params.Offload, when parameter shards are offloaded
         self.offload_store = None  # its store (offload/store.py), opened by shard()
@@ -104,7 +105,9 @@ class Zero3Runtime:
                            self.timeout_s))  # fmt: skip
 
 
-def _rebuild(group_name: str, policy, device_type: str, timeout_s: float) -> Zero3Runtime:
+def _rebuild(
+    group_name: str, policy: MixedPrecision, device_type: str, timeout_s: float
+) -> Zero3Runtime:
     import torch.distributed as dist
 
     from ..compat import resolve_group

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import mesh_from_group
+from .policy import MixedPrecision
 from .spec import ShardSpec
 
 _SHARD_NAMES = ("shard", "dp_shard")
@@ -94,9 +95,17 @@ class DataParallelMesh:
         return sorted(int(r) for r in self.mesh.mesh.flatten().tolist())
 
     def spec(
-        self, fqn: str, shape, policy=None, offloaded: bool = False, grads_offloaded: bool = False
+        self,
+        fqn: str,
+        shape,
+        policy: MixedPrecision | None = None,
+        offloaded: bool = False,
+        grads_offloaded: bool = False,
     ) -> ShardSpec:
+        """The ``ShardSpec`` of a parameter of full ``shape`` sharded over this mesh, gathered
+        and reduced in ``policy``'s dtypes (``None``: the parameter's own)."""
         shard_name, replicate_name = self.group_names
+        policy = policy if policy is not None else MixedPrecision()
         return ShardSpec(
             fqn=fqn,
             shape=tuple(shape),
@@ -104,8 +113,8 @@ class DataParallelMesh:
             world_size=self.shard_size,
             replicate_group=replicate_name,
             replicate_size=self.replicate_size,
-            param_dtype=getattr(policy, "param_dtype", None),
-            reduce_dtype=getattr(policy, "reduce_dtype", None),
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
             offloaded=offloaded,
             grads_offloaded=grads_offloaded,
         )
