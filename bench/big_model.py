@@ -42,15 +42,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from bench.harness.launch import RankError, run_ranks
+from bench.harness.paths import results_dir
+from bench.offload import _stores
 
-from bench.launch import RankError, run_ranks  # noqa: E402
-from bench.offload import _stores  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = 2**30
 
 
@@ -143,9 +141,9 @@ def parse_args(argv=None):
         default=1,
         help="runs per --compute-layers depth, the depths alternated",
     )
-    parser.add_argument("--cache", default=os.path.join(HERE, "out", "big", "checkpoints"))
-    parser.add_argument("--scratch", default=os.path.join(HERE, "out", "big", "scratch"))
-    parser.add_argument("--out", default=os.path.join(HERE, "out", "big"))
+    parser.add_argument("--cache", default=results_dir("big", "checkpoints"))
+    parser.add_argument("--scratch", default=results_dir("big", "scratch"))
+    parser.add_argument("--out", default=results_dir("big"))
     parser.add_argument("--skip-disk-test", action="store_true")
     parser.add_argument(
         "--ds-config", default="",
@@ -691,7 +689,7 @@ def run_deepspeed(rank, world, cfg: dict):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     deepspeed.init_distributed(dist_backend="gloo")
-    from bench.contenders import Context, OptimConfig, deepspeed_config
+    from bench.harness.contenders import Context, OptimConfig, deepspeed_config
 
     # torch.optim.AdamW(lr=1e-4) with its defaults: what the other contenders step with
     adamw = OptimConfig(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -18,13 +18,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.models import PRESETS  # noqa: E402
-from bench.orchestrate import run_spec  # noqa: E402
-from bench.runner import RunSpec  # noqa: E402
+from bench.harness.models import PRESETS
+from bench.harness.orchestrate import run_spec
+from bench.harness.paths import results_dir
+from bench.harness.runner import RunSpec
 
 MiB = 2**20
 BASELINES = ("ddp", "ddp-compiled", "fsdp2")
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    )
+    parser.add_argument("--out", default=results_dir())
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 

@@ -25,17 +25,14 @@ import mmap
 import multiprocessing
 import os
 import shutil
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench import big_model  # noqa: E402
-from bench.launch import run_ranks  # noqa: E402
+from bench import big_model
+from bench.harness.launch import run_ranks
+from bench.harness.paths import results_dir
 
 
 def _config(args, checkpoint: str, shape) -> dict:
@@ -126,9 +123,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--hold-gb", type=float, default=0.0)
     parser.add_argument("--clean", action="store_true", help="delete the checkpoint at the end")
-    parser.add_argument("--cache", default=os.path.join(HERE, "out", "big", "checkpoints"))
-    parser.add_argument("--scratch", default=os.path.join(HERE, "out", "ckload", "scratch"))
-    parser.add_argument("--out", default=os.path.join(HERE, "out", "ckload"))
+    parser.add_argument("--cache", default=results_dir("big", "checkpoints"))
+    parser.add_argument("--scratch", default=results_dir("ckload", "scratch"))
+    parser.add_argument("--out", default=results_dir("ckload"))
     args = parser.parse_args(argv)
     shape = big_model.SHAPES[args.model]
     checkpoint = big_model.write_checkpoint(os.path.join(args.cache, args.model), shape)

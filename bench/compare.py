@@ -19,17 +19,16 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from bench.harness import report
+from bench.harness.contenders import CONTENDERS, DEFAULT_SET, REFERENCE, SPEED_BASELINE
+from bench.harness.models import PRESETS
+from bench.harness.orchestrate import run_spec
+from bench.harness.paths import results_dir
+from bench.harness.runner import RunSpec
 
-from bench import report  # noqa: E402
-from bench.contenders import CONTENDERS, DEFAULT_SET, REFERENCE, SPEED_BASELINE  # noqa: E402
-from bench.models import PRESETS  # noqa: E402
-from bench.orchestrate import run_spec  # noqa: E402
-from bench.runner import RunSpec  # noqa: E402
-
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+DEFAULT_OUT = results_dir()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

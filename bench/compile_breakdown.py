@@ -19,16 +19,13 @@ import tempfile
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.contenders import mark_blocks_as_regions  # noqa: E402
-from bench.launch import run_ranks  # noqa: E402
-from bench.models import PRESETS, build_model, global_batch, transformer_blocks  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench.harness.contenders import mark_blocks_as_regions
+from bench.harness.launch import run_ranks
+from bench.harness.models import PRESETS, build_model, global_batch, transformer_blocks
+from bench.harness.paths import results_dir
 
 # (row label, torch's span names, summed): the spans that grow with depth, outermost first
 STAGES = (
@@ -88,7 +85,7 @@ def first_step(rank: int, world: int, mode: str, depth: int) -> dict[str, float]
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", default="2,80")
-    parser.add_argument("--out", default=os.path.join(HERE, "out"))
+    parser.add_argument("--out", default=results_dir())
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.depth.split(",")]
     logs = os.path.join(args.out, "logs")

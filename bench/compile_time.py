@@ -21,12 +21,11 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.orchestrate import run_spec  # noqa: E402
-from bench.runner import RunSpec  # noqa: E402
+from bench.harness.orchestrate import run_spec
+from bench.harness.paths import results_dir
+from bench.harness.runner import RunSpec
 
 CONTENDERS = ("zero3", "ddp-compiled", "fsdp2-compiled")
 # --depth: the whole model and each block compiled, against plain compile and FSDP2's per block
@@ -111,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--depth-model", default="gpt-w128")
     parser.add_argument("--depth-contenders", default=",".join(DEPTH_CONTENDERS))
-    parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    )
+    parser.add_argument("--out", default=results_dir())
     args = parser.parse_args(argv)
     if args.depth:
         return depth_table(args)

@@ -39,16 +39,14 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.launch import run_ranks  # noqa: E402
-from bench.models import PRESETS, build_model, lm_loss  # noqa: E402
+from bench.harness.launch import run_ranks
+from bench.harness.models import PRESETS, build_model, lm_loss
+from bench.harness.paths import results_dir
 
 SETTINGS = {
     "none": {},
@@ -223,6 +221,7 @@ def main() -> None:
         "setting's held-out loss against the uncompressed run of the same seed",
     )
     parser.add_argument("--tag", default="", help="suffix of the results file's name")
+    parser.add_argument("--out", default=results_dir(), help="folder of the results JSON and logs")
     args = parser.parse_args()
     recipe = {
         "lr": args.lr,
@@ -243,7 +242,7 @@ def main() -> None:
         parser.error(
             f"unknown settings {unknown}; --settings is a comma-separated list of {list(SETTINGS)}"
         )
-    log_dir = os.path.join(os.path.dirname(__file__), "out", "compression")
+    log_dir = os.path.join(args.out, "compression")
     results: dict = {
         "world": args.world,
         "ranks_per_node": per_node,
@@ -289,7 +288,7 @@ def main() -> None:
                 )
         results["models"][model_name] = {"compute_s": compute, "runs": runs}
     _print(results)
-    folder = os.path.join(os.path.dirname(__file__), "results")
+    folder = args.out
     os.makedirs(folder, exist_ok=True)
     suffix = f"-{per_node}per-node" if per_node > 1 else ""
     suffix += f"-{args.tag}" if args.tag else ""

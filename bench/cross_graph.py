@@ -20,16 +20,14 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.launch import run_ranks  # noqa: E402
-from bench.models import PRESETS, build_model, lm_loss, transformer_blocks  # noqa: E402
+from bench.harness.launch import run_ranks
+from bench.harness.models import PRESETS, build_model, lm_loss, transformer_blocks
+from bench.harness.paths import results_dir
 
 SETUPS = (
     "whole",
@@ -137,7 +135,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-w128")
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    log_dir = os.path.join(os.path.dirname(__file__), "out", "cross_graph")
+    log_dir = results_dir("cross_graph")
     print(
         f"{args.world} gloo ranks, {args.model}, eager codegen, median of {args.steps} steps\n\n"
         "| blocks | setup | step | vs whole | prefetches taken over per step | "

@@ -24,16 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from bench.harness.launch import RankError, run_ranks
+from bench.harness.paths import results_dir
 
-from bench.launch import RankError, run_ranks  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("unsharded", "zero3", "zero3-gathered", "deepspeed")
 
 
@@ -50,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads per rank (default cores/world)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--out", default=os.path.join(HERE, "out", "generate"))
+    parser.add_argument("--out", default=results_dir("generate"))
     return parser.parse_args(argv)
 
 

@@ -24,13 +24,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench import report  # noqa: E402
-from bench.orchestrate import run_spec  # noqa: E402
-from bench.runner import RunSpec  # noqa: E402
+from bench.harness import report
+from bench.harness.orchestrate import run_spec
+from bench.harness.paths import results_dir
+from bench.harness.runner import RunSpec
 
 MiB = report.MiB
 PART_A = ["zero3", "single-compiled", "fsdp2", "fsdp2-compiled"]
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     if not args.out:
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "gpu")
+        args.out = results_dir("gpu")
         print(f"gpu.py: $OUT is not set; writing to {args.out}")
     os.makedirs(args.out, exist_ok=True)
     # logs stay outside $OUT: the device machine sends back only a few files

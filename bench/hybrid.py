@@ -14,24 +14,20 @@ return at once: memory and bytes are real, times are not reported.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
-
-from bench.models import (  # noqa: E402
+from bench.harness.models import (
     PRESETS,
     build_model,
     global_batch,
     lm_loss,
     rank_slice,
-    transformer_blocks,  # noqa: E402
+    transformer_blocks,
 )
 
 MiB = 2**20

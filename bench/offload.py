@@ -22,13 +22,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench.launch import run_ranks  # noqa: E402
-from bench.models import PRESETS, build_model, global_batch, lm_loss, rank_slice  # noqa: E402
+from bench.harness.launch import run_ranks
+from bench.harness.models import PRESETS, build_model, global_batch, lm_loss, rank_slice
+from bench.harness.paths import results_dir
 
 CONFIGS = {
     "none": (None, None),
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         default=65536,
         help="MALLOC_MMAP_THRESHOLD_ for the ranks (0: glibc's default, dynamic)",
     )
-    parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    )
+    parser.add_argument("--out", default=results_dir())
     args = parser.parse_args(argv)
     rows = {}
     for name in args.configs.split(","):

@@ -36,18 +36,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
 
-import torch  # noqa: E402
-
-from bench.big_model import SHAPES as BIG_SHAPES  # noqa: E402
-from bench.big_model import Phases, Shape, disk_bandwidth, write_checkpoint  # noqa: E402
-from bench.launch import run_ranks  # noqa: E402
+from bench.big_model import SHAPES as BIG_SHAPES
+from bench.big_model import Phases, Shape, disk_bandwidth, write_checkpoint
+from bench.harness.launch import run_ranks
 
 SHAPES = {
     **BIG_SHAPES,

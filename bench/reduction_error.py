@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench.compression import MODELS, batch, corpus  # noqa: E402
-from bench.models import PRESETS, build_model, lm_loss  # noqa: E402
-from zero3_compile.collectives import quantize  # noqa: E402
-from zero3_compile.sharding.spec import spec_of_shape  # noqa: E402
+from bench.compression import MODELS, batch, corpus
+from bench.harness.models import PRESETS, build_model, lm_loss
+from zero3_compile.collectives import quantize
+from zero3_compile.sharding.spec import spec_of_shape
 
 
 def rows_of(grad: torch.Tensor, world: int) -> torch.Tensor:

@@ -18,14 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from bench.launch import run_ranks  # noqa: E402
+from bench.harness.launch import run_ranks
 
 PRESETS = {
     # Llama-3.2-1B: 1.24B parameters (untied head here: 1.50B)

@@ -18,15 +18,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from bench import report  # noqa: E402
-from bench.contenders import CONTENDERS  # noqa: E402
-from bench.models import PRESETS  # noqa: E402
-from bench.orchestrate import run_spec  # noqa: E402
-from bench.runner import RunSpec  # noqa: E402
+from bench.harness import report
+from bench.harness.contenders import CONTENDERS
+from bench.harness.models import PRESETS
+from bench.harness.orchestrate import run_spec
+from bench.harness.paths import results_dir
+from bench.harness.runner import RunSpec
 
 MiB = report.MiB
 
@@ -42,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
+    parser.add_argument("--out", default=results_dir())
     args = parser.parse_args(argv)
     if args.quick:
         args.model = "quick"

@@ -35,8 +35,9 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from bench.harness.paths import results_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # on the jobs' PYTHONPATH
 
 # name -> job description (bench/soak_job.py reads it); "world" overrides --world
 CONFIGS: dict[str, dict] = {
@@ -91,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="an empty Inductor/AOTAutograd cache per job (every compile cold, as a fresh machine)",
     )
-    parser.add_argument("--out", default=os.path.join(HERE, "out", "soak"))
+    parser.add_argument("--out", default=results_dir("soak"))
     return parser.parse_args(argv)
 
 
@@ -131,7 +132,8 @@ def run_job(index: int, name: str, python: str, args, extra_env: dict, folder: s
     result_path = os.path.join(folder, "result.json")
     command = [
         python,
-        os.path.join(HERE, "soak_job.py"),
+        "-m",
+        "bench.soak_job",
         "--job",
         json.dumps(job),
         "--steps",

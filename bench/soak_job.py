@@ -14,10 +14,7 @@ import hashlib
 import json
 import os
 import signal
-import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # every thread's stack on a fatal signal (abort, segfault) and on SIGUSR1 (the driver's hang dump)
 faulthandler.enable(all_threads=True)

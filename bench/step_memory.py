@@ -14,11 +14,10 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from bench.launch import run_ranks
+from bench.harness.launch import run_ranks
 
 
 def kib(field):

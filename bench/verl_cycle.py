@@ -20,15 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from functools import partial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from bench.launch import run_ranks  # noqa: E402
+from bench.harness.launch import run_ranks
 
 PRESETS = {
     # ~125M parameters with the head (GPT-2 small's width and depth, a 32k vocabulary)

@@ -647,7 +647,7 @@ def profiled(rank, world, name):
     from the graphs."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.comm import from_profile
+    from bench.harness.comm import from_profile
 
     options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
     torch.manual_seed(0)
