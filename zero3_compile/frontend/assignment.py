@@ -14,8 +14,9 @@ from ..sharding.state import (
     module_state,
     state_of,
 )
-from .classes import base_call, is_sharded_module, make_sharded, reclass
+from .classes import base_call, is_sharded_module, make_sharded, reclass, register_methods
 from .loading import adopt
+from .shard import shard_parameter
 
 
 def setattr_(self: nn.Module, name: str, value) -> None:
@@ -34,8 +35,6 @@ def setattr_(self: nn.Module, name: str, value) -> None:
 
 
 def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    from .shard import shard_parameter
-
     state = module_state(self)
     own = state.params.get(name)
     if own is not None and own.state is ShardState.LOADING and param is not None:
@@ -92,8 +91,6 @@ def _recast(state: ShardedParam, param: DTensor) -> nn.Parameter:
 
 def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
     """A module assigned into a sharded model after ``shard()``: shard it the same way."""
-    from .shard import shard_parameter
-
     state = module_state(parent)
     root = state.root
     prefix = f"{state.prefix}.{name}" if state.prefix else name
@@ -119,3 +116,6 @@ def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
             own[attr] = shared
         full_prefix = f"{prefix}.{sub_prefix}" if sub_prefix else prefix
         make_sharded(sub, ModuleState(params=own, root=root, prefix=full_prefix))
+
+
+register_methods({"__setattr__": setattr_, "register_parameter": register_parameter})

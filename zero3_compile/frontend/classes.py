@@ -11,13 +11,15 @@
   (``for b in blocks: b.compile(backend="zero3")``).
 - ``Zero3Module`` (``module.py``) among its bases: ``isinstance(m, z3.Zero3Module)`` and the
   methods integrations call.
-- ``__setattr__`` / ``register_parameter`` (``assignment.py``): a parameter or module assigned
-  after ``shard()`` is sharded on assignment; assigning a sharded parameter ties it.
-- ``_apply``: ``model.to()``, ``.half()``, ``.float()`` work on the shards and re-attach the state.
-- ``__reduce_ex__`` (``pickling.py``): ``torch.save(model)`` and ``copy.deepcopy(model)`` rebuild a
-  sharded model instead of failing on an unimportable class.
-- recurrent modules (``rnn.py``) read their weights through the getters for one forward at a time
-  instead of caching full copies in ``_flat_weights``.
+- the methods of the generated classes come from a registry (``register_methods``) that the
+  modules defining them fill when they are imported (``frontend/__init__.py`` imports them all):
+  ``__setattr__`` / ``register_parameter`` (``assignment.py``: a parameter or module assigned
+  after ``shard()`` is sharded on assignment; assigning a sharded parameter ties it), ``_apply``
+  (``apply.py``: ``model.to()``, ``.half()``, ``.float()`` work on the shards), ``__reduce_ex__``
+  (``pickling.py``: ``torch.save(model)`` and ``copy.deepcopy(model)`` rebuild a sharded model),
+  and for recurrent modules (``rnn.py``) weights read through the getters for one forward at a
+  time instead of full copies cached in ``_flat_weights``. This module imports none of them:
+  imports inside ``frontend/`` go one way.
 
 The class name stays the original's, so code that looks at ``type(m).__name__`` sees no change.
 Generated classes are shared by modules with the same base class and the same parameter specs
@@ -31,7 +33,6 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..compat import local_shard
 from ..sharding.spec import UNBOUND_ID
@@ -41,6 +42,9 @@ from .module import Zero3Module
 BASE = "_zero3_base_class"
 
 _classes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# (base classes they apply to, attributes) of the generated classes, in registration order
+_methods: list[tuple[type, dict]] = []
+_generated = False  # a class was generated: the registry is complete
 
 
 def is_sharded_module(module: nn.Module) -> bool:
@@ -61,27 +65,41 @@ def make_sharded(module: nn.Module, state: ModuleState) -> None:
     reclass(module)
 
 
+def register_methods(methods: dict, *, applies_to: type = nn.Module) -> None:
+    """Give every generated class whose base class is a subclass of ``applies_to`` these
+    attributes (methods, properties); called once by each module defining some, at import,
+    before any class is generated.
+
+    Example:
+        ```python
+        register_methods({"_apply": apply_})  # apply.py: every sharded module
+        register_methods(RNN_METHODS, applies_to=nn.RNNBase)  # rnn.py: recurrent modules only
+        ```
+    """
+    if _generated:
+        raise RuntimeError(
+            "zero3: register_methods() after a generated class was built; import the module "
+            "that registers methods with zero3_compile.frontend (frontend/__init__.py)"
+        )
+    _methods.append((applies_to, dict(methods)))
+
+
 def class_namespace(base: type) -> dict:
     """The methods every generated class of ``base`` has (parameter properties aside)."""
-    from .assignment import register_parameter, setattr_
-    from .pickling import reduce_ex
-    from .rnn import RNN_METHODS
-
     namespace = {
         BASE: base,
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
-        "__setattr__": setattr_,
-        "register_parameter": register_parameter,
-        "_apply": apply_,
-        "__reduce_ex__": reduce_ex,
     }
-    if issubclass(base, nn.RNNBase):
-        namespace.update(RNN_METHODS)
+    for applies_to, methods in _methods:
+        if issubclass(base, applies_to):
+            namespace.update(methods)
     return namespace
 
 
 def generated_class(base: type, namespace: dict) -> type:
+    global _generated
+    _generated = True
     # after the base: a method the model defines itself wins over the mixin's
     bases = (base,) if issubclass(base, Zero3Module) else (base, Zero3Module)
     return type(base.__name__, bases, namespace)
@@ -182,51 +200,3 @@ def _make_getter(attr: str, state: ShardedParam):
 
 def base_call(module: nn.Module, name: str, *args):
     return getattr(type(module).__dict__[BASE], name)(module, *args)
-
-
-def apply_(self: nn.Module, fn, recurse: bool = True):
-    """``model.to()`` and friends: apply ``fn`` to the shards, re-attach the parameters' states
-    (``swap_tensors`` replaced their contents and attributes)."""
-    evicted = {
-        id(self._parameters.get(attr)): state
-        for attr, state in module_state(self).params.items()
-        if getattr(state, "offload", None) is not None and state.offload.evicted
-    }
-    if evicted:
-        fn = _leaving_evicted_shards(fn, evicted)
-    result = base_call(self, "_apply", fn, recurse)
-    for attr, state in module_state(self).params.items():
-        param = self._parameters.get(attr)
-        if param is None:
-            continue
-        if not isinstance(param, DTensor) or tuple(param.shape) != state.global_shape:
-            raise RuntimeError(
-                f"zero3: {state.fqn} is no longer a sharded parameter of shape "
-                f"{state.global_shape} after module._apply(); only dtype and device changes are "
-                "supported on a sharded model"
-            )
-        state.attach(param)
-    return result
-
-
-def _leaving_evicted_shards(fn, evicted: dict):
-    """``fn`` for ``_apply``, but a shard offloaded to its store (no memory: its values are in
-    the file) is left as it is when ``fn`` would neither move nor cast it (``model.to("cpu:0")``
-    by the Hugging Face Trainer), and refused by name when it would: its values would be read
-    from memory it no longer has."""
-
-    def apply(tensor):
-        state = evicted.get(id(tensor))
-        if state is None:
-            return fn(tensor)
-        probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
-        if probe.dtype == tensor.dtype and probe.device == tensor.device:
-            return tensor
-        raise RuntimeError(
-            f"zero3: {state.fqn} is offloaded (shard(offload=Offload(params=...))): this "
-            f"module._apply() (model.to(), .half(), ...) would make it {probe.dtype} on "
-            f"{probe.device} from {tensor.dtype} on {tensor.device}. Move or cast the model before "
-            "zero3.shard, or compute in another dtype with MixedPrecision"
-        )
-
-    return apply

@@ -5,11 +5,16 @@ model's policy (``set_mixed_precision``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..sharding.policy import MixedPrecision
+from ..sharding.state import module_state
+from .classes import reclass
+from .loading import resting_states
 
 __all__ = ["MixedPrecision", "install_hooks", "set_mixed_precision"]
 
@@ -57,12 +62,6 @@ class _CastOutputs:
 
 def set_mixed_precision(model: nn.Module, policy: MixedPrecision) -> None:
     """Give a sharded model another mixed-precision policy (compiled code recompiles)."""
-    from dataclasses import replace
-
-    from ..sharding.state import module_state
-    from .classes import reclass
-    from .loading import resting_states
-
     policy.validate()
     states = resting_states(model, "changing the mixed-precision policy")
     runtimes = {id(s.root): s.root for s in states}

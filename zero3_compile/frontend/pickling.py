@@ -16,7 +16,7 @@ from ..sharding.state import (
     set_module_state,
     state_of,
 )
-from .classes import BASE, class_namespace, generated_class, reclass
+from .classes import BASE, class_namespace, generated_class, reclass, register_methods
 
 
 def reduce_ex(self: nn.Module, protocol):
@@ -80,3 +80,6 @@ def _unpickled_state(param: nn.Parameter, module: ModuleState, attr: str) -> Sha
     )
     state.attach(param)
     return state
+
+
+register_methods({"__reduce_ex__": reduce_ex})

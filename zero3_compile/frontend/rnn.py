@@ -3,6 +3,10 @@ for the length of one forward instead of caching full copies in ``_flat_weights`
 
 from __future__ import annotations
 
+import torch.nn as nn
+
+from .classes import BASE, register_methods
+
 
 def _rnn_flat_weights(self):
     bound = self.__dict__.get("_zero3_flat")
@@ -15,8 +19,6 @@ def _rnn_flat_weights(self):
 
 
 def _rnn_forward(self, *args, **kwargs):
-    from .classes import BASE
-
     # gather each weight once for this forward, drop the full copies when it ends
     self.__dict__["_zero3_flat"] = _rnn_flat_weights(self)
     try:
@@ -41,3 +43,5 @@ RNN_METHODS = {
     "flatten_parameters": _rnn_noop,
     "_weights_have_changed": lambda self: False,
 }
+
+register_methods(RNN_METHODS, applies_to=nn.RNNBase)
