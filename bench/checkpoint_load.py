@@ -30,9 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench import big_model
-from bench.harness.launch import run_ranks
+from bench.harness.big_contenders import offload_of, run_zero3, shard_digest
+from bench.harness.disk import drop_page_cache
+from bench.harness.launch import run_ranks, set_rank_threads
+from bench.harness.llama import SHAPES, write_checkpoint
 from bench.harness.paths import results_dir
+from bench.harness.proc import proc_io, reset_rss_high_water, status_kib
 
 
 def _config(args, checkpoint: str, shape) -> dict:
@@ -53,12 +56,12 @@ def load(rank, world, cfg: dict) -> dict:
     from zero3_compile import hf as z3hf
     from zero3_compile.io import checkpoint as checkpoint_io
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    set_rank_threads(world)
     dist.init_process_group("gloo")
     scratch = os.path.join(cfg["scratch"], "run-load")
     model = z3hf.from_pretrained(
         transformers.AutoModelForCausalLM, cfg["checkpoint_model"], dtype=torch.float32,
-        offload=big_model._offload(z3, cfg, scratch),
+        offload=offload_of(z3, cfg, scratch),
         mp_policy=z3.MixedPrecision(torch.bfloat16, torch.float32),
     )  # fmt: skip
     opt = z3.offload_optimizer(
@@ -83,23 +86,22 @@ def load(rank, world, cfg: dict) -> dict:
             setattr(checkpoint_io, name, timed(name, getattr(checkpoint_io, name)))
     checkpoint_io.dcp.load = timed("dcp.load", checkpoint_io.dcp.load)
     if rank == 0:
-        big_model.drop_page_cache()
+        drop_page_cache()
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start_rss = big_model._status_kib("VmRSS") * 1024
-    before = big_model._proc_io()
+    reset_rss_high_water()
+    start_rss = status_kib("VmRSS") * 1024
+    before = proc_io()
     start = time.perf_counter()
     z3.load_checkpoint(os.path.join(cfg["scratch"], "checkpoint"), model, opt)
     seconds = time.perf_counter() - start
-    after = big_model._proc_io()
+    after = proc_io()
     return {
         "seconds": seconds,
         "parts": parts,
         "read_gb": (after["read_bytes"] - before["read_bytes"]) / 1e9,
         "written_gb": (after["write_bytes"] - before["write_bytes"]) / 1e9,
-        "peak_above_start_gb": (big_model._status_kib("VmHWM") * 1024 - start_rss) / 1e9,
-        "digest": big_model._digest(model),
+        "peak_above_start_gb": (status_kib("VmHWM") * 1024 - start_rss) / 1e9,
+        "digest": shard_digest(model),
     }
 
 
@@ -118,7 +120,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=sorted(big_model.SHAPES), default="llama-1.5b")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-1.5b")
     parser.add_argument("--make", action="store_true", help="train a step and save first")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--hold-gb", type=float, default=0.0)
@@ -127,14 +129,14 @@ def main(argv=None) -> None:
     parser.add_argument("--scratch", default=results_dir("ckload", "scratch"))
     parser.add_argument("--out", default=results_dir("ckload"))
     args = parser.parse_args(argv)
-    shape = big_model.SHAPES[args.model]
-    checkpoint = big_model.write_checkpoint(os.path.join(args.cache, args.model), shape)
+    shape = SHAPES[args.model]
+    checkpoint = write_checkpoint(os.path.join(args.cache, args.model), shape)
     cfg = _config(args, checkpoint, shape)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     logs = os.path.join(args.out, "logs")
     if args.make:
         shutil.rmtree(args.scratch, ignore_errors=True)
-        made = run_ranks(big_model.run_zero3, 2, (cfg,), log_dir=logs, name="make",
+        made = run_ranks(run_zero3, 2, (cfg,), log_dir=logs, name="make",
                          timeout_s=7200, env=env)  # fmt: skip
         print(f"saved {made[0]['checkpoint_bytes'] / 1e9:.2f} GB after losses {made[0]['losses']}")
     holder = None

@@ -45,7 +45,14 @@ import torch
 import torch.distributed as dist
 
 from bench.harness.launch import run_ranks
-from bench.harness.models import PRESETS, build_model, lm_loss
+from bench.harness.models import (
+    PRESETS,
+    TEXT_MODELS,
+    build_model,
+    lm_loss,
+    text_batch,
+    text_corpus,
+)
 from bench.harness.paths import results_dir
 
 SETTINGS = {
@@ -72,22 +79,7 @@ SETTINGS = {
 NODE_ROLE = "node"  # explain's group role of node groups (hpZ's gathers, qgZ's first sums)
 ACROSS_ROLE = "across_nodes"  # qgZ's exchange of the nodes' sums: one rank per node
 INTRA_GBPS = 1600
-MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}
-SEQ = 64
 WARMUP, FINAL_LR = 0.05, 0.1  # --schedule cosine: warmup share of the steps, final factor
-
-
-def corpus() -> torch.Tensor:
-    import pydoc_data.topics as topics
-
-    with open(topics.__file__, "rb") as f:
-        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
-
-
-def batch(data: torch.Tensor, rows: int, gen: torch.Generator):
-    starts = torch.randint(0, data.numel() - SEQ - 1, (rows,), generator=gen)
-    tokens = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def lr_factor(step: int, steps: int, schedule: str) -> float:
@@ -110,10 +102,10 @@ def train(
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     torch.set_num_threads(1)
-    data = corpus()
+    data = text_corpus()
     split = data.numel() * 9 // 10
     train_data, eval_data = data[:split], data[split:]
-    preset = PRESETS[MODELS[model_name]]
+    preset = PRESETS[TEXT_MODELS[model_name]]
     rows = recipe.get("rows", 8)
     options = {"codegen": "eager", **SETTINGS[setting]}
     unsharded = build_model(preset, seed=seed, device="cpu")
@@ -126,7 +118,7 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     report = None
     if world > 1:
-        x, _ = batch(train_data, rows, torch.Generator().manual_seed(99))
+        x, _ = text_batch(train_data, rows, torch.Generator().manual_seed(99))
         report = z3.explain(step_model, x).to_dict()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -134,7 +126,7 @@ def train(
     )
     losses, times = [], []
     for _ in range(steps):
-        inputs, targets = batch(train_data, world * rows, gen)  # the same on every rank
+        inputs, targets = text_batch(train_data, world * rows, gen)  # the same on every rank
         mine = slice(rank * rows, (rank + 1) * rows)
         start = time.perf_counter()
         loss = lm_loss(step_model, (inputs[mine], targets[mine]))
@@ -153,7 +145,7 @@ def train(
     eval_losses = []
     with torch.no_grad():
         for _ in range(recipe["eval_batches"]):
-            eval_losses.append(lm_loss(step_model, batch(eval_data, rows, eval_gen)).item())
+            eval_losses.append(lm_loss(step_model, text_batch(eval_data, rows, eval_gen)).item())
     eval_loss = torch.tensor(statistics.fmean(eval_losses))
     if world > 1:
         dist.all_reduce(eval_loss)

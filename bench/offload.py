@@ -13,8 +13,6 @@ Writes a markdown table to stdout and JSON under --out.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import statistics
@@ -25,9 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.harness.launch import run_ranks
+from bench.harness.disk import offload_stores
+from bench.harness.launch import run_ranks, set_rank_threads
 from bench.harness.models import PRESETS, build_model, global_batch, lm_loss, rank_slice
 from bench.harness.paths import results_dir
+from bench.harness.proc import settle, status_kib
 
 CONFIGS = {
     "none": (None, None),
@@ -37,40 +37,10 @@ CONFIGS = {
 }
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _stores(model, opt) -> list:
-    from zero3_compile.sharding.state import state_of
-
-    stores = {}
-    for p in model.parameters():
-        state = state_of(p)
-        if state is not None and state.offload is not None:
-            stores[id(state.offload.store)] = state.offload.store
-    offloaded = getattr(opt, "_zero3_offload", None)
-    if offloaded is not None:
-        stores[id(offloaded.store)] = offloaded.store
-    spool = None
-    for p in model.parameters():
-        state = state_of(p)
-        if state is not None and state.root.grad_spool is not None:
-            spool = state.root.grad_spool
-            break
-    if spool is not None:
-        stores[id(spool.store)] = spool.store
-    return list(stores.values())
-
-
 def _run(rank: int, world: int, args: dict) -> dict:
     import zero3_compile as z3
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    set_rank_threads(world)
     dist.init_process_group("gloo")
     params_tier, opt_tier = CONFIGS[args["config"]]
     preset = PRESETS[args["model"]]
@@ -86,7 +56,7 @@ def _run(rank: int, world: int, args: dict) -> dict:
     counters = {}
     for step in range(args["warmup"] + args["steps"]):
         if step == args["warmup"]:
-            stores = _stores(model, opt)
+            stores = offload_stores(model, opt)
             counters = {
                 "read": sum(s.bytes_read for s in stores),
                 "written": sum(s.bytes_written for s in stores),
@@ -104,15 +74,14 @@ def _run(rank: int, world: int, args: dict) -> dict:
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    stores = _stores(model, opt)
+    stores = offload_stores(model, opt)
     timed = args["steps"]
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    settle()
     io = sum(s.io_seconds for s in stores) - counters.get("io", 0.0)
     wait = sum(s.wait_seconds for s in stores) - counters.get("wait", 0.0)
     return {
         "median_step_ms": 1e3 * statistics.median(times[args["warmup"] :]),
-        "rss_anon_mib": _rss_anon() / 2**20,
+        "rss_anon_mib": (status_kib("RssAnon") or 0) * 1024 / 2**20,
         "read_mib_per_step": (sum(s.bytes_read for s in stores) - counters.get("read", 0))
         / 2**20
         / timed,

@@ -41,9 +41,11 @@ import time
 
 import torch
 
-from bench.big_model import SHAPES as BIG_SHAPES
-from bench.big_model import Phases, Shape, disk_bandwidth, write_checkpoint
-from bench.harness.launch import run_ranks
+from bench.harness.disk import disk_bandwidth
+from bench.harness.launch import run_ranks, set_rank_threads
+from bench.harness.llama import SHAPES as BIG_SHAPES
+from bench.harness.llama import Shape, token_batch, write_checkpoint
+from bench.harness.phases import Phases
 
 SHAPES = {
     **BIG_SHAPES,
@@ -56,11 +58,6 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # --------------------------------------------------------------------------- lora / full
 
 
-def _tokens(step: int, rank: int, seq: int, vocab: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, vocab, (1, seq), generator=generator)
-
-
 def run_training(rank: int, world: int, cfg: dict) -> dict:
     """One LoRA or full fine-tune run on this rank (``cfg["mode"]``)."""
     import peft
@@ -70,7 +67,7 @@ def run_training(rank: int, world: int, cfg: dict) -> dict:
     import zero3_compile as z3
     from zero3_compile import hf as z3hf
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    set_rank_threads(world)
     dist.init_process_group("gloo")
     phases = Phases(cfg["scratch"])
     lora = cfg["mode"] == "lora"
@@ -98,7 +95,7 @@ def run_training(rank: int, world: int, cfg: dict) -> dict:
     losses = []
 
     def step(i: int) -> None:
-        ids = _tokens(i, rank, cfg["seq"], cfg["vocab"])
+        ids = token_batch(i, rank, cfg["seq"], cfg["vocab"])
         loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -226,7 +223,7 @@ def run_grpo(rank: int, world: int, cfg: dict) -> dict:
     from zero3_compile import hf as z3hf
     from zero3_compile.hf import trl as z3trl
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    set_rank_threads(world)
     dist.init_process_group("gloo")
     times: list[dict] = []
 

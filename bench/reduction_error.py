@@ -27,8 +27,14 @@ import math
 
 import torch
 
-from bench.compression import MODELS, batch, corpus
-from bench.harness.models import PRESETS, build_model, lm_loss
+from bench.harness.models import (
+    PRESETS,
+    TEXT_MODELS,
+    build_model,
+    lm_loss,
+    text_batch,
+    text_corpus,
+)
 from zero3_compile.collectives import quantize
 from zero3_compile.sharding.spec import spec_of_shape
 
@@ -89,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
     torch.manual_seed(0)
-    data = corpus()
+    data = text_corpus()
     train = data[: data.numel() * 9 // 10]
     print(
         f"int{args.bits}, blocks of {args.block}; relative rms error of the reduced mean\n\n"
@@ -97,7 +103,7 @@ def main() -> None:
     )
     print("|---|---:|---|" + "---:|" * len(LAYOUTS))
     for name in args.models.split(","):
-        model = build_model(PRESETS[MODELS[name]], seed=1, device="cpu")
+        model = build_model(PRESETS[TEXT_MODELS[name]], seed=1, device="cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(1)
         world_max = max(w for w, _ in meshes)
@@ -106,7 +112,7 @@ def main() -> None:
                 grads = []
                 for _ in range(world_max):
                     model.zero_grad()
-                    lm_loss(model, batch(train, args.rows, gen)).backward()
+                    lm_loss(model, text_batch(train, args.rows, gen)).backward()
                     grads.append([p.grad.detach().clone() for p in model.parameters()])
                 for world, size in meshes:
                     cells = []
@@ -122,7 +128,7 @@ def main() -> None:
                     print(f"| {name} | {step} | {world} x {size} | " + " | ".join(cells) + " |")
             if step < args.steps:
                 opt.zero_grad()
-                lm_loss(model, batch(train, 4 * args.rows, gen)).backward()
+                lm_loss(model, text_batch(train, 4 * args.rows, gen)).backward()
                 opt.step()
 
 

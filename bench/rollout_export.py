@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 
-from bench.harness.launch import run_ranks
+from bench.harness.launch import run_ranks, set_rank_threads
+from bench.harness.proc import reset_rss_high_water, settle, status_kib
 
 PRESETS = {
     # Llama-3.2-1B: 1.24B parameters (untied head here: 1.50B)
@@ -30,24 +30,6 @@ PRESETS = {
     "3b": dict(hidden=3072, layers=28, intermediate=8192, heads=24, kv_heads=8, vocab=128256),
     "small": dict(hidden=256, layers=4, intermediate=512, heads=4, kv_heads=2, vocab=4096),
 }
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the current resident size
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:
@@ -59,7 +41,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     from zero3_compile.rollout import iter_full_parameters
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    set_rank_threads(world)
     config = transformers.LlamaConfig(
         hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
         intermediate_size=cfg["intermediate"], num_attention_heads=cfg["heads"],
@@ -91,8 +73,9 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         for buffer in consumer.values():
             buffer.fill_(0)
     dist.barrier()
-    _reset_peak()
-    before = _status_bytes("VmRSS")
+    settle()
+    reset_rss_high_water()  # VmHWM back to the current resident size
+    before = status_kib("VmRSS") * 1024
     start = time.perf_counter()
     count = 0
     for name, tensor in iter_full_parameters(
@@ -103,7 +86,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         del tensor
         count += 1
     seconds = time.perf_counter() - start
-    peak = _status_bytes("VmHWM") - before
+    peak = status_kib("VmHWM") * 1024 - before
     dist.barrier()
     dist.destroy_process_group()
     return {

@@ -8,8 +8,6 @@ OFFLOAD 1: parameters and AdamW state on disk, 2: gradient shards too; MIXED 1: 
 allocator between phases (what remains is what the phase holds). Checkpoints: bench/big_model.py.
 """
 
-import ctypes
-import gc
 import os
 import sys
 import tempfile
@@ -18,12 +16,11 @@ import torch
 import torch.distributed as dist
 
 from bench.harness.launch import run_ranks
+from bench.harness.proc import reset_rss_high_water, settle, status_kib
 
 
 def kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 2**20
+    return status_kib(field) / 2**20  # GiB
 
 
 def note(rank, step, key, value):
@@ -31,9 +28,8 @@ def note(rank, step, key, value):
 
 
 def reset():
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    open("/proc/self/clear_refs", "w").write("5")
+    settle()
+    reset_rss_high_water()
 
 
 def rank_fn(rank, world, ckpt, offload, mp, trim):

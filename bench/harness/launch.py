@@ -23,6 +23,14 @@ class RankError(RuntimeError):
     """A rank raised, died or timed out; the message holds the tail of its log."""
 
 
+def set_rank_threads(world: int) -> None:
+    """Give this rank its share of the machine's cores: ``torch.set_num_threads(cores // world)``
+    (at least 1)."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .proc import status_kib
+
 
 def _storage_key_and_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of the storage behind ``tensor``; None if it has no real storage."""
@@ -89,35 +91,14 @@ def transient_peak_bytes(prof: torch.profiler.profile, device_type: str) -> int:
     return peak
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def rss_high_water_bytes() -> int | None:
     """The process's peak resident set size (VmHWM; ru_maxrss where /proc is missing)."""
-    kib = _proc_status_kib("VmHWM")
+    kib = status_kib("VmHWM")
     if kib is None:
         import resource
 
         kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return kib * 1024
-
-
-def reset_rss_high_water() -> bool:
-    """Restart VmHWM from the current RSS (Linux: write 5 to clear_refs); False if refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class StepMemoryProbe:

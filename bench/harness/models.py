@@ -249,3 +249,25 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     idx, targets = batch
     logits = model(idx)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# --------------------------------------------------------------------------- byte-level text
+# compression.py and reduction_error.py train on real text: the bytes of a file Python ships.
+
+TEXT_MODELS = {"gpt": "gpt-w128", "llama": "llama-tiny"}  # their name -> preset
+TEXT_SEQ = 64
+
+
+def text_corpus() -> torch.Tensor:
+    """The bytes of ``pydoc_data/topics.py`` as token ids (vocab 256)."""
+    import pydoc_data.topics as topics
+
+    with open(topics.__file__, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
+
+
+def text_batch(data: torch.Tensor, rows: int, gen: torch.Generator):
+    """``rows`` random windows of ``data``: (inputs, targets), each ``(rows, TEXT_SEQ)``."""
+    starts = torch.randint(0, data.numel() - TEXT_SEQ - 1, (rows,), generator=gen)
+    tokens = torch.stack([data[s : s + TEXT_SEQ + 1] for s in starts.tolist()])
+    return tokens[:, :-1], tokens[:, 1:]

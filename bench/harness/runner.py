@@ -21,13 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from . import comm
 from .contenders import CONTENDERS, Context, Trainer
-from .memory import (
-    StepMemoryProbe,
-    reset_rss_high_water,
-    rss_high_water_bytes,
-    storage_bytes,
-)
+from .memory import StepMemoryProbe, rss_high_water_bytes, storage_bytes
 from .models import PRESETS, build_model, global_batch, parameter_count, rank_slice
+from .proc import reset_rss_high_water
 
 
 @dataclass(frozen=True)
