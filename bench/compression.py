@@ -1,8 +1,8 @@
 """Communication compression (ZeRO++'s qwZ, hpZ, qgZ): loss curves, bytes per step per link
 class, modelled step time.
 
-    python bench/compression.py                          # 2 ranks, gpt and llama, 200 steps
-    python bench/compression.py --world 4 --ranks-per-node 2 --steps 200 --models gpt
+    python -m bench.compression                          # 2 ranks, gpt and llama, 200 steps
+    python -m bench.compression --world 4 --ranks-per-node 2 --steps 200 --models gpt
 
 A byte-level LM (vocab 256) trains on a fixed text corpus that ships with Python
 (``pydoc_data/topics.py``: its help texts), 90% for training and 10% held out, once per
@@ -29,7 +29,7 @@ buffer's bytes per rank over the ring's slowest link, so
 ``comm = sum (G-1)/G * bytes / bandwidth of the link class``; ``compute`` is the measured step
 time of the same model and per-rank batch on one rank (no collective); bounds:
 ``max(compute, comm)`` (perfect overlap) and ``compute + comm`` (none). Writes
-``bench/results/compression-<world>.json``.
+``compression-<world>.json`` under ``--out`` (default: ``bench.harness.paths.results_dir()``).
 """
 
 from __future__ import annotations
