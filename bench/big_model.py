@@ -1,10 +1,10 @@
 """Models larger than the machine: a Llama loaded from a Hugging Face checkpoint into shards,
 trained with parameters and optimizer state on disk, phase by phase.
 
-    python bench/big_model.py --model llama-1b --world 2 --offload disk --steps 3
-    python bench/big_model.py --model llama-1.5b --world 2 --offload disk --steps 3 --checkpoint
-    python bench/big_model.py --model llama-3b --world 2 --offload disk --steps 3
-    python bench/big_model.py --model llama-1b --contenders zero3,fsdp2,deepspeed --offload none
+    python -m bench.big_model --model llama-1b --world 2 --offload disk --steps 3
+    python -m bench.big_model --model llama-1.5b --world 2 --offload disk --steps 3 --checkpoint
+    python -m bench.big_model --model llama-3b --world 2 --offload disk --steps 3
+    python -m bench.big_model --model llama-1b --contenders zero3,fsdp2,deepspeed --offload none
 
 Run it alone on the machine. The checkpoint (bf16 safetensors, Hugging Face layout) is written
 once under ``--cache``, tensor by tensor, never holding the model; each contender then runs in

@@ -1,7 +1,7 @@
 """The memory budget swept from ZeRO-3's minimum to everything kept, next to DDP and FSDP2.
 
-    python bench/budget.py --world 2 --model gpt-small
-    python bench/budget.py --world 2 --model quick --steps 10      # a minute or two
+    python -m bench.budget --world 2 --model gpt-small
+    python -m bench.budget --world 2 --model quick --steps 10      # a minute or two
 
 A probe run with an unlimited budget tells the planner's two ends for this model and batch: the
 least memory a step needs (pure ZeRO-3, or keeping everything when that is cheaper) and what

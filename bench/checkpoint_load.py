@@ -1,8 +1,8 @@
 """The checkpoint load of a model whose state is on disk, measured on its own.
 
-    python bench/checkpoint_load.py --model llama-1.5b --make     # train a step, save (once)
-    python bench/checkpoint_load.py --model llama-1.5b --repeats 2
-    python bench/checkpoint_load.py --model llama-1.5b --hold-gb 14   # a smaller page cache
+    python -m bench.checkpoint_load --model llama-1.5b --make     # train a step, save (once)
+    python -m bench.checkpoint_load --model llama-1.5b --repeats 2
+    python -m bench.checkpoint_load --model llama-1.5b --hold-gb 14   # a smaller page cache
 
 ``--make`` loads the Llama of ``bench/big_model.py`` from its bf16 Hugging Face checkpoint
 (written once under ``--cache``) with parameters, gradients and AdamW state on disk (one copy,

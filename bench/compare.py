@@ -1,8 +1,8 @@
 """Compare zero3_compile with FSDP2, DeepSpeed ZeRO-3 and DDP: same model, data, seed, machine.
 
-    python bench/compare.py --world 2 --quick            # small GPT, few steps, all contenders
-    python bench/compare.py --world 2 --model gpt-small  # ~25M parameters (gpt-medium: ~124M)
-    python bench/compare.py --world 8 --model llama-1b   # GPU only (nccl)
+    python -m bench.compare --world 2 --quick            # small GPT, few steps, all contenders
+    python -m bench.compare --world 2 --model gpt-small  # ~25M parameters (gpt-medium: ~124M)
+    python -m bench.compare --world 8 --model llama-1b   # GPU only (nccl)
 
 Each contender runs in fresh processes (one per rank) with a fresh Inductor cache, so compile
 times are cold-cache times. Prints markdown tables (speed, memory, communication, loss agreement)

@@ -2,7 +2,7 @@
 unsharded model in one process) beside zero3's ``compile_once`` (2 gloo ranks), per stage of
 torch's compiler (``torch._dynamo.utils.compile_times()``, rank 0).
 
-    python bench/compile_breakdown.py --depth 2,80
+    python -m bench.compile_breakdown --depth 2,80
 
 Each run starts with an empty Inductor cache and times one first step (forward and backward,
 GPT blocks of width 128, Inductor codegen). The table gives each stage's seconds at every depth;

@@ -1,8 +1,8 @@
 """Compile time, cold and warm: zero3 next to DDP compiled and FSDP2 compiled, same model.
 
-    python bench/compile_time.py --world 2                      # quick and gpt-small
-    python bench/compile_time.py --world 2 --models quick
-    python bench/compile_time.py --depth 2,8,24,80              # cold compile against depth
+    python -m bench.compile_time --world 2                      # quick and gpt-small
+    python -m bench.compile_time --world 2 --models quick
+    python -m bench.compile_time --depth 2,8,24,80              # cold compile against depth
 
 For each contender and model: a cold start (an empty Inductor / AOTAutograd cache directory),
 then a restart with the same cache directory (what a preempted job pays when it comes back).

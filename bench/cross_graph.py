@@ -1,6 +1,6 @@
 """Per-block compile against the whole-model compile, steady steps, side by side in one process.
 
-    python bench/cross_graph.py --depth 12,24 --steps 40
+    python -m bench.cross_graph --depth 12,24 --steps 40
 
 For each depth: four copies of the same GPT (``--model``, default ``gpt-w128`` at that many
 blocks), sharded over 2 gloo ranks, eager codegen: ``torch.compile(model, backend="zero3")``

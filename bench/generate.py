@@ -1,8 +1,8 @@
 """Per-token decode latency of ``generate`` on a sharded model, beside the unsharded model and
 DeepSpeed ZeRO-3's ``generate`` on the same checkpoint.
 
-    python bench/generate.py --world 2
-    python bench/generate.py --world 2 --layers 8 --hidden 768 --tokens 48 --contenders unsharded,zero3-gathered
+    python -m bench.generate --world 2
+    python -m bench.generate --world 2 --layers 8 --hidden 768 --tokens 48 --contenders unsharded,zero3-gathered
 
 A random-init Llama checkpoint (Hugging Face format) is written once under ``--out``. Each
 contender runs in fresh processes: greedy decoding of ``--tokens`` new tokens after a prompt of

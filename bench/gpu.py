@@ -1,7 +1,7 @@
 """One command for a lent NVIDIA GPU (an H200): what the passes cost, and memory at world 8.
 
-    python bench/gpu.py               # needs CUDA; writes gpu.md, gpu.json, gpu_logs.txt to $OUT
-    python bench/gpu.py --cpu-smoke   # the same plan with tiny models on CPU (checks the script)
+    python -m bench.gpu               # needs CUDA; writes gpu.md, gpu.json, gpu_logs.txt to $OUT
+    python -m bench.gpu --cpu-smoke   # the same plan with tiny models on CPU (checks the script)
 
 Part A, world 1 over NCCL, GPT-2 small (124M) at batch 8 x 1024: zero3 against plain
 torch.compile of the unsharded model and FSDP2 (eager and per-block compiled). At world 1 no

@@ -1,7 +1,7 @@
 """Hybrid sharding, simulated: 2 nodes x 4 ranks on the ``fake`` process group, one process.
 
-    python bench/hybrid.py                          # gpt-small, a 2x4 mesh, zero3 and FSDP2
-    python bench/hybrid.py --mesh 4x2 --model quick
+    python -m bench.hybrid                          # gpt-small, a 2x4 mesh, zero3 and FSDP2
+    python -m bench.hybrid --mesh 4x2 --model quick
 
 Per rank: parameters + gradients + AdamW state held, and the bytes one training step sends on
 each group: all-gathers and reduce-scatters within a node (the shard group), all-reduces across

@@ -1,7 +1,7 @@
 """Offload tiers side by side: no offload, parameters on disk, optimizer state on disk, both.
 
-    python bench/offload.py --world 2                    # gpt-small, 2 CPU ranks, eager codegen
-    python bench/offload.py --world 2 --codegen inductor --steps 10
+    python -m bench.offload --world 2                    # gpt-small, 2 CPU ranks, eager codegen
+    python -m bench.offload --world 2 --codegen inductor --steps 10
 
 Per configuration, in fresh processes, the same model, batches and AdamW: median step time
 (forward + backward + step), resident anonymous memory after the timed steps (RssAnon, after

@@ -1,7 +1,7 @@
 """The rounding error of a quantized gradient reduction across nodes, three ways, on real
 gradients: why ``QuantizedNodeReduce`` sums exactly within each node.
 
-    python bench/reduction_error.py                       # gpt and llama, 4 and 8 ranks
+    python -m bench.reduction_error                       # gpt and llama, 4 and 8 ranks
 
 One process trains the byte-level LM of ``bench/compression.py`` (its corpus, AdamW at 1e-3)
 and, every ``--every`` steps, takes the gradients of N ranks' batches (``--rows`` sequences each,

@@ -1,8 +1,8 @@
 """Per-rank memory against world size: does each rank's share fall as 1/N?
 
-    python bench/scaling.py                    # gpt-small, worlds 1 2 4 8, zero3 and fsdp2
-    python bench/scaling.py --quick            # small GPT, eager codegen: a minute or two
-    python bench/scaling.py --worlds 1,2,4,8,16 --contenders zero3,zero3-eager-codegen,fsdp2
+    python -m bench.scaling                    # gpt-small, worlds 1 2 4 8, zero3 and fsdp2
+    python -m bench.scaling --quick            # small GPT, eager codegen: a minute or two
+    python -m bench.scaling --worlds 1,2,4,8,16 --contenders zero3,zero3-eager-codegen,fsdp2
 
 Memory needs no real peers: one process joins the ``fake`` process group as rank 0 of N
 (collectives return at once, their output buffers are still allocated), so any N runs on one

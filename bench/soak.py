@@ -1,8 +1,8 @@
 """Soak: many fresh multi-rank training jobs; count aborts, hangs and results that differ.
 
-    python bench/soak.py --runs 300 --world 2
-    python bench/soak.py --runs 24 --pythons .ci-venv/bin/python,.ci-venv-newest/bin/python
-    python bench/soak.py --runs 40 --configs eager,inductor --env MALLOC_CHECK_=3 --env MALLOC_PERTURB_=165
+    python -m bench.soak --runs 300 --world 2
+    python -m bench.soak --runs 24 --pythons .ci-venv/bin/python,.ci-venv-newest/bin/python
+    python -m bench.soak --runs 40 --configs eager,inductor --env MALLOC_CHECK_=3 --env MALLOC_PERTURB_=165
 
 Each job is ``bench/soak_job.py`` on every rank, in processes of its own (a new session each),
 cycling through the configurations below and the given Python interpreters (one per torch

@@ -1,8 +1,8 @@
 """Where a training step's peak resident memory comes from: VmHWM reset around the forward, the
 backward and ``opt.step()`` of each step, on 2 ranks, a Hugging Face checkpoint loaded into shards.
 
-    python bench/step_memory.py CHECKPOINT OFFLOAD MIXED TRIM
-    python bench/step_memory.py bench/out/big/checkpoints/llama-1.3b 1 0 1
+    python -m bench.step_memory CHECKPOINT OFFLOAD MIXED TRIM
+    python -m bench.step_memory ~/.cache/zero3_compile/bench/big/checkpoints/llama-1.3b 1 0 1
 
 OFFLOAD 1: parameters and AdamW state on disk, 2: gradient shards too; MIXED 1: bf16 compute; TRIM 1: free and trim the
 allocator between phases (what remains is what the phase holds). Checkpoints: bench/big_model.py.
