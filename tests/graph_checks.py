@@ -6,11 +6,12 @@ import re
 
 import torch.fx as fx
 
-from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
+from zero3_compile._torch.c10d import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
+from zero3_compile._torch.inductor import generated_events
 from zero3_compile.compiler.graph_facts import param_derived
 from zero3_compile.compiler.node_keys import PARAMS, ROLE, ROLE_REDUCE_SCATTER
 from zero3_compile.compiler.recording import GraphRecord
-from zero3_compile.compiler.signature import generated_events, scheduled_events
+from zero3_compile.compiler.signature import scheduled_events
 
 
 def saved_gathered_parameters(record: GraphRecord) -> list[str]:
@@ -23,7 +24,7 @@ def saved_gathered_parameters(record: GraphRecord) -> list[str]:
 
 def is_reduce_scatter(node: fx.Node) -> bool:
     """A gradient reduce-scatter, also where it is issued as an all-reduce of the bucket (in
-    place on gloo groups, ``compat.gloo_reduce_scatter_as_all_reduce``)."""
+    place on gloo groups, ``schemes.gloo_reduce_scatter_as_all_reduce``)."""
     if node.target is REDUCE_SCATTER:
         return True
     return (

@@ -96,28 +96,28 @@ def test_without_sync_backward_issues_no_reduce_scatter():
 
 
 def _accumulate_as_on_torch_2_11(rank, world_size, model_name, codegen, sync_each_step):
-    """``_accumulate`` with the shard reads torch 2.11 needs (``compat.local_shard``: its
+    """``_accumulate`` with the shard reads torch 2.11 needs (``_torch.dtensor.local_shard``: its
     ``DTensor.to_local()`` turns a missing gradient into zeros, which AccumulateGrad then adds to
     the pending gradient of sync-off micro-batches), forced on whatever torch runs."""
-    from zero3_compile import compat
+    from zero3_compile._torch import dtensor
     from zero3_compile.compiler import backend
 
     rewritten = []
-    probe, rewrite = compat.to_local_keeps_missing_gradients, backend.rewrite_to_local
-    compat.to_local_keeps_missing_gradients = lambda: False
+    probe, rewrite = dtensor.to_local_keeps_missing_gradients, backend.rewrite_to_local
+    dtensor.to_local_keeps_missing_gradients = lambda: False
     backend.rewrite_to_local = lambda *args: rewritten.append(rewrite(*args))
     try:
         out = _accumulate(rank, world_size, model_name, codegen, sync_each_step)
     finally:
-        compat.to_local_keeps_missing_gradients, backend.rewrite_to_local = probe, rewrite
+        dtensor.to_local_keeps_missing_gradients, backend.rewrite_to_local = probe, rewrite
     return {**out, "rewritten": rewritten}
 
 
 def test_shard_reads_of_torch_2_11_keep_missing_gradients_missing():
-    """The traced shard reads of torch 2.11 (``compat.rewrite_to_local`` in the dynamo graph,
+    """The traced shard reads of torch 2.11 (``_torch.dynamo.rewrite_to_local`` in the dynamo graph,
     before AOTAutograd: the same for either codegen): sync-off accumulation, where no gradient
     reaches the shard, gives the whole batch's gradients (zeros instead would raise: they are
-    added to a pending gradient). The eager reads (``compat.local_shard`` in the getters) are
+    added to a pending gradient). The eager reads (``_torch.dtensor.local_shard`` in the getters) are
     proved on 2.11 itself, by the uncompiled mixture-of-experts test."""
     scenario = ("gpt", "eager", False)
     for r in run_scenarios(_accumulate_as_on_torch_2_11, 2, [scenario])[scenario]:

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zero3_compile as z3
-from zero3_compile.compat import ALL_GATHER
+from zero3_compile._torch.c10d import ALL_GATHER
 from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.inspect import measure_peak_bytes
 

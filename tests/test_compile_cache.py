@@ -138,7 +138,7 @@ def test_cold_start_compiles_and_saves():
 def test_warm_restart_loads_from_the_caches_and_trains_the_same():
     for cold, warm in zip(runs()["cold"], runs()["warm"]):
         # both caches, on torch 2.11 too since the mesh's cache key holds nothing per process
-        # (compat.stable_mesh_cache_keys)
+        # (_torch.inductor.stable_mesh_cache_keys)
         assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm["aot"]
         assert warm["aot"].get("autograd_cache_miss", 0) == 0, warm["aot"]
         assert warm["fx"].get("fxgraph_cache_miss", 0) == 0, warm["fx"]
@@ -158,7 +158,7 @@ def test_graphs_taking_the_mesh_hit_inductors_cache_in_a_new_process():
     """The parameters' DeviceMesh, a graph input, pickles a hash of strings (which differs with
     the process's hash seed);
     Inductor's cache must still hit for the forward and the backward graph in a new process
-    (``compat.stable_mesh_cache_keys``), with the same results."""
+    (``_torch.inductor.stable_mesh_cache_keys``), with the same results."""
     for cold, warm in zip(runs()["gpt_cold"], runs()["gpt_warm"]):
         assert cold["fx"].get("fxgraph_cache_miss", 0) == 2, cold["fx"]
         assert warm["fx"].get("fxgraph_cache_miss", 0) == 0, warm["fx"]
@@ -186,7 +186,7 @@ def test_a_mesh_is_keyed_by_what_identifies_its_collectives(fake_pg, monkeypatch
     cannot name its groups falls back to torch's own reduction instead of failing the compile."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from zero3_compile.compat import _mesh_cache_key, _only_a_cache_key
+    from zero3_compile._torch.inductor import _mesh_cache_key, _only_a_cache_key
 
     mesh = init_device_mesh("cpu", (4,))
     again = init_device_mesh("cpu", (4,))

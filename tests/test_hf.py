@@ -372,7 +372,7 @@ class _CountingTrainer:
 
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     loss = super().training_step(model, inputs, num_items_in_batch)
-                # on gloo: in-place all-reduces (compat.gloo_reduce_scatter_as_all_reduce)
+                # on gloo: in-place all-reduces (schemes.gloo_reduce_scatter_as_all_reduce)
                 events = [
                     e
                     for e in prof.events()

@@ -17,14 +17,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zero3_compile as z3
-from zero3_compile.compat import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
+from zero3_compile._torch.c10d import ALL_GATHER, ALL_REDUCE, ALL_REDUCE_INPLACE, REDUCE_SCATTER
 from zero3_compile.compiler.node_keys import GROUP_ROLE
 
 from .dist_utils import run_ranks, run_scenarios
 from .training import PER_RANK_BATCH, build, full_optimizer_state, make_optimizer, rel_diff
 
 TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
-# the shard groups' reduction by default: on gloo an in-place all-reduce (compat.py)
+# the shard groups' reduction by default: on gloo an in-place all-reduce (collectives/schemes.py)
 SHARD_REDUCTION = "all_reduce"
 
 
@@ -36,7 +36,7 @@ def train(rank, world, shape, model_name, codegen, precision=None, accumulate=Fa
     """3 SGD-momentum steps on every rank's slice; the reference trains the whole batch.
 
     ``rs="gloo"``: gradient reductions issued as gloo's own reduce-scatters instead of in-place
-    all-reduces (compat.gloo_reduce_scatter_as_all_reduce)."""
+    all-reduces (schemes.gloo_reduce_scatter_as_all_reduce)."""
     if rs is not None:
         os.environ["ZERO3_GLOO_REDUCE_SCATTER"] = {"all_reduce": "0", "gloo": "1"}[rs]
     try:

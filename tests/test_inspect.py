@@ -55,7 +55,7 @@ def _estimate_and_measure(rank, world_size, dump_dir):
         if event.name == "_c10d_functional::all_gather_into_tensor":
             numel = torch.Size(event.input_shapes[0]).numel()
             measured_comm["all_gather"] += numel * 4 * world_size  # gathered bytes
-        elif event.name == "_c10d_functional::all_reduce_":  # gloo's reductions (compat.py)
+        elif event.name == "_c10d_functional::all_reduce_":  # gloo: see schemes.py
             measured_comm["reduce_scatter"] += torch.Size(event.input_shapes[0]).numel() * 4
 
     # explain() on a compiled module not compiled before: compiles through its own backend (the

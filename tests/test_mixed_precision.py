@@ -105,7 +105,7 @@ def test_gradients_match_the_same_policy_run_unsharded(model_name, codegen):
 def test_gathers_communicate_bf16_and_gradients_reduce_in_fp32(model_name, codegen):
     for r in results(model_name, codegen):
         gathers = [c for c in r["collectives"] if c[0] == "all_gather"]
-        # reduce-scatters; on gloo, in-place all-reduces (compat.py)
+        # reduce-scatters; on gloo, in-place all-reduces (collectives/schemes.py)
         reductions = [c for c in r["collectives"] if c[0].startswith(("reduce_scatter", "all_red"))]
         assert gathers and reductions
         assert {c[4] for c in gathers} == {"torch.bfloat16"}  # the shard is cast before the gather

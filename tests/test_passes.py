@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zero3_compile  # noqa: F401  (registers the zero3:: ops)
+from zero3_compile._torch.c10d import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zero3_compile.collectives.copy_ops import (
     GATHER_COPY_IN,
     GATHER_COPY_OUT,
@@ -16,7 +17,6 @@ from zero3_compile.collectives.copy_ops import (
     REDUCE_COPY_OUT,
 )
 from zero3_compile.collectives.ops import REDUCE_GRAD, UNSHARD
-from zero3_compile.compat import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zero3_compile.compiler.context import PassContext, block_of
 from zero3_compile.compiler.markers import UnshardCall
 from zero3_compile.compiler.node_keys import BUCKET, PARAM_DERIVED

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero3_compile as z3
-from zero3_compile.compat import nested_regions_take_dtensor_inputs
+from zero3_compile._torch.dynamo import nested_regions_take_dtensor_inputs
 from zero3_compile.compiler.recording import record_graphs
 
 from .dist_utils import run_scenarios
@@ -173,7 +173,7 @@ def _count_compiled_calls() -> list[int]:
     return count
 
 
-# compile_once needs torch >= 2.13 (compat.nested_regions_take_dtensor_inputs); on older torch
+# compile_once needs torch >= 2.13 (_torch.dynamo.nested_regions_take_dtensor_inputs); on older torch
 # it refuses with an error naming the fix (tested below on every version)
 REGIONS = nested_regions_take_dtensor_inputs()
 needs_regions = pytest.mark.skipif(not REGIONS, reason="compile_once needs torch >= 2.13")

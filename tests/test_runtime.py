@@ -106,7 +106,7 @@ def test_two_models_keep_their_own_timeouts():
 
 def test_gloo_reductions_are_in_place_all_reduces():
     """On gloo a gradient reduction is an all-reduce in place on the copy-in's buffer (gloo's
-    reduce-scatter would all-reduce a copy of it: compat.gloo_reduce_scatter_as_all_reduce);
+    reduce-scatter would all-reduce a copy of it: schemes.gloo_reduce_scatter_as_all_reduce);
     the values are checked by every equivalence test."""
     for out in two_models():
         assert out["reductions"] == ["_c10d_functional.all_reduce_.default"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero3_compile as z3
-from zero3_compile.compat import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
+from zero3_compile._torch.c10d import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT
 from zero3_compile.compiler.graph_facts import gathered_values
 from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.compiler.signature import most_in_flight, scheduled_events

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zero3_compile as z3
-from zero3_compile.compat import COLLECTIVES
+from zero3_compile._torch.c10d import COLLECTIVES
 from zero3_compile.compiler.node_keys import ROLE
 
 from .dist_utils import run_scenarios

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compat import WAIT, register_wait, storage_key
+from .._torch.c10d import WAIT, register_wait
+from .._torch.tensors import storage_key
 from ..sharding.spec import ShardSpec
 from .schemes import EAGER, gather_scheme
 

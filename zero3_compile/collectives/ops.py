@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..compat import mark_side_effect, register_wait
+from .._torch.c10d import register_wait
 from ..offload import grads as grad_spool
 from ..offload.params import readable, reload_async
 from ..runtime import guard
@@ -163,7 +163,7 @@ def _graph_guard_fake(group, replicate_group, kind, code, label, timeout_s) -> N
 
 
 GUARD = torch.ops.zero3.guard.default
-mark_side_effect(GUARD)
+torch.fx.node.has_side_effect(GUARD)  # kept through dead-code elimination
 
 
 # ------------------------------------------------------------------------------- offload
@@ -257,8 +257,8 @@ def _handoff_gather_fake(after, kind, group):
 
 TAKE_GATHER = torch.ops.zero3.take_gather.default
 HANDOFF_GATHER = torch.ops.zero3.handoff_gather.default
-mark_side_effect(TAKE_GATHER)
-mark_side_effect(HANDOFF_GATHER)
+torch.fx.node.has_side_effect(TAKE_GATHER)
+torch.fx.node.has_side_effect(HANDOFF_GATHER)
 
 
 # ------------------------------------------------------------------------------- leaf modules

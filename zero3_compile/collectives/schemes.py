@@ -40,18 +40,19 @@ of ``copy_ops.py``. Buckets only share a collective when their schemes' ``key`` 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ..compat import ALL_GATHER as ALL_GATHER_OP
-from ..compat import ALL_REDUCE as ALL_REDUCE_OP
-from ..compat import ALL_REDUCE_INPLACE as ALL_REDUCE_INPLACE_OP
-from ..compat import ALL_TO_ALL as ALL_TO_ALL_OP
-from ..compat import REDUCE_SCATTER as REDUCE_SCATTER_OP
-from ..compat import WAIT, gloo_reduce_scatter_as_all_reduce, group_rank
+from .._torch.c10d import ALL_GATHER as ALL_GATHER_OP
+from .._torch.c10d import ALL_REDUCE as ALL_REDUCE_OP
+from .._torch.c10d import ALL_REDUCE_INPLACE as ALL_REDUCE_INPLACE_OP
+from .._torch.c10d import ALL_TO_ALL as ALL_TO_ALL_OP
+from .._torch.c10d import REDUCE_SCATTER as REDUCE_SCATTER_OP
+from .._torch.c10d import WAIT, backend_of, group_rank
 from ..sharding.nodes import across_nodes_group, node_group
 from ..sharding.spec import ShardSpec
 from . import arithmetic, copy_ops, roles
@@ -350,7 +351,7 @@ class ReduceScatter(ReduceScheme):
     world_size: int = 1
     # ``rank`` set: the bucket is summed with an in-place all-reduce of the copy-in's buffer and
     # this rank's rows are taken in the copy-out (gloo groups: gloo's reduce-scatter all-reduces a
-    # copy of the whole input, see ``compat.gloo_reduce_scatter_as_all_reduce``)
+    # copy of the whole input, see ``gloo_reduce_scatter_as_all_reduce``)
     rank: int | None = None
     stage_roles: ClassVar[tuple[tuple[str, str], ...]] = (
         (roles.REDUCE_SCATTER, roles.REDUCE_WAIT),
@@ -898,3 +899,29 @@ def run_reduce(scheme: ReduceScheme, emit: Emit, grads, specs, shard_shapes) -> 
     for stage in range(scheme.stages):
         payloads = scheme.wait(emit, stage, scheme.issue(emit, stage, payloads, specs))
     return scheme.copy_out(emit, payloads, specs, shard_shapes)
+
+
+def gloo_reduce_scatter_as_all_reduce(group_name: str) -> int | None:
+    """This rank's index in ``group_name`` where its reduce-scatters are to be issued as in-place
+    all-reduces of the copy-in's buffer (the caller keeps its own rows), else None: on gloo
+    groups, unless ``ZERO3_GLOO_REDUCE_SCATTER=1``.
+
+    gloo has no reduce-scatter of its own: its ``reduce_scatter_tensor`` all-reduces a copy of
+    the whole input. The same all-reduce issued in place on the buffer the copy-in made moves
+    the same bytes without that second full-size copy (1.5 GB for the tied embedding of a 3B
+    Llama). ``ZERO3_GLOO_REDUCE_SCATTER=1`` issues gloo's own reduce-scatter, for comparisons.
+
+    History: the heap corruptions of our soak runs on torch 2.14 were first blamed on gloo's
+    reduce-scatter; ``bench/repros/gloo_reduce_scatter_race.py`` showed the trigger is any
+    collectives in flight together, all-reduces too; the cure is ``passes/serialize.py`` (one
+    gloo collective in flight).
+    """
+    choice = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(
+            f"ZERO3_GLOO_REDUCE_SCATTER={choice!r}: use 1 (gloo's own reduce-scatter), 0 or leave "
+            "it unset (an in-place all-reduce of the copy-in's buffer)"
+        )
+    if choice == "1" or backend_of(group_name) != "gloo":
+        return None
+    return group_rank(group_name)

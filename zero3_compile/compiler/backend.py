@@ -30,20 +30,20 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from ..compat import (
+from .._torch.aot_autograd import autograd_cache_disabled, min_cut_partition, order_saved_values
+from .._torch.c10d import backend_of
+from .._torch.dynamo import (
     aot_autograd_backend,
-    autograd_cache_disabled,
-    backend_of,
-    boxed_codegen,
     dynamo_compile_count,
-    inductor_compile_fx,
-    inductor_config_patches,
-    min_cut_partition,
-    order_saved_values,
-    partitioner_base,
-    region_schemas_cached,
     register_dynamo_backend,
     rewrite_to_local,
+)
+from .._torch.fx import boxed_codegen
+from .._torch.higher_order import region_schemas_cached
+from .._torch.inductor import (
+    inductor_compile_fx,
+    inductor_config_patches,
+    partitioner_base,
     stable_mesh_cache_keys,
 )
 from ..runtime.gate import GatedCall

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from .._torch.c10d import WAIT
 from ..collectives.schemes import Emit
-from ..compat import WAIT
 from .graph_utils import NodeFactory
 from .node_keys import BUCKET, BUCKETS, FULL_BYTES, GROUP_ROLE, PARAMS, ROLE
 

@@ -14,8 +14,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._torch.c10d import ALL_GATHER, COLLECTIVES, WAIT
+from .._torch.dynamo import set_grad_enabled_target
+from .._torch.fx import OpOverload
+from .._torch.higher_order import invoke_subgraph_op
 from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
-from ..compat import ALL_GATHER, COLLECTIVES, WAIT, OpOverload, invoke_subgraph_op
 from .graph_utils import output_node
 from .node_keys import ROLE, ROLE_ALL_GATHER, ROLE_REPLICA_ALL_REDUCE
 
@@ -285,7 +288,7 @@ def _gradient_cuts(graph: fx.Graph) -> set[fx.Node]:
     cut: set[fx.Node] = set()
     enabled = True
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is set_grad_enabled_target():
             enabled = bool(node.args[0])
             continue
         detach = node.target in ("detach", torch.Tensor.detach, torch.detach)

@@ -10,9 +10,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..compat import fake_tensor_types
+from .._torch.fx import TorchDispatchMode, fake_tensor_types
 
 FakeTensor, FakeTensorMode = fake_tensor_types()
 
@@ -243,7 +242,7 @@ def save_waited(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
     and every collective keeps its wait as the one reader of its raw output. A no-op without
     such outputs.
     """
-    from ..compat import COLLECTIVES, WAIT
+    from .._torch.c10d import COLLECTIVES, WAIT
 
     graph = fw_module.graph
     output = output_node(graph)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .._torch.c10d import ALL_GATHER, ALL_REDUCE_INPLACE, COLLECTIVES, WAIT
+from .._torch.tensors import storage_key
 from ..collectives.ops import SPOOL_GRAD
-from ..compat import ALL_GATHER, ALL_REDUCE_INPLACE, COLLECTIVES, WAIT, storage_key
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import trace_structured
+from .._torch.tracing import trace_structured
 from .context import PassContext
 from .passes import (
     assign_buckets,

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._torch.aot_autograd import min_cut_partition, order_saved_values
+from .._torch.c10d import backend_of
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
-from ..compat import backend_of, min_cut_partition, order_saved_values
 from .context import PassContext
 from .graph_facts import shard_inputs
 from .graph_utils import copy_graph_module, save_waited
@@ -219,7 +220,7 @@ def _persistent_bytes(joint: fx.GraphModule, ctx: PassContext) -> int:
 
 
 def _uses_gloo(gm: fx.GraphModule) -> bool:
-    from ..compat import COLLECTIVES
+    from .._torch.c10d import COLLECTIVES
 
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES:

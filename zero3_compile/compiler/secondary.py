@@ -34,9 +34,9 @@ import dataclasses
 
 import torch.fx as fx
 
+from .._torch.aot_autograd import saved_value_group
 from ..collectives.copy_ops import SECONDARY_SLICE
 from ..collectives.ops import UNSHARD
-from ..compat import saved_value_group
 from ..sharding.nodes import node_group, ranks_per_node
 from .graph_utils import NodeFactory, node_order, output_node
 from .markers import UnshardCall

@@ -1,17 +1,16 @@
 """What a scheduled graph will issue: its collective signature, a digest of it, and checks that
-Inductor's generated code issues (and waits for) the collectives as scheduled."""
+Inductor's generated code issues (and waits for) the collectives as scheduled (the generated code
+is read by ``_torch.inductor``)."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
-import re
 from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..compat import (
+from .._torch.c10d import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_REDUCE_INPLACE,
@@ -20,6 +19,7 @@ from ..compat import (
     REDUCE_SCATTER,
     WAIT,
 )
+from .._torch.inductor import generated_collective_order, generated_events
 from ..sharding.layout import foreign_group_role
 from ..sharding.spec import ShardSpec
 from .node_keys import GROUP_ROLE, PARAMS
@@ -73,7 +73,7 @@ def _group_size(group_name: str) -> int:
     try:
         import torch.distributed as dist
 
-        from ..compat import resolve_group
+        from .._torch.c10d import resolve_group
 
         return dist.get_world_size(resolve_group(group_name))
     except Exception:  # noqa: BLE001 - a graph read offline
@@ -115,56 +115,6 @@ def describe_signature(signature: list[tuple], graph: fx.Graph | None = None) ->
     return text
 
 
-_CALL = re.compile(
-    r"^\s*(\w+) = torch\.ops\._c10d_functional\."
-    r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce|all_to_all_single)\.default\("
-)
-# Inductor re-inplaces all_reduce: a statement on the buffer it reduces, waited by that name
-# the cross-graph prefetch's take (a graph's first all-gather) and handoff (the next graph's)
-_OURS = re.compile(r"^\s*(\w+) = torch\.ops\.zero3\.(take_gather|handoff_gather)\.default\(")
-_IN_PLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.all_reduce_\.default\((\w+)")
-_KINDS = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "take_gather": "all_gather",
-    "handoff_gather": "handoff",
-}
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
-_ALIAS = re.compile(r"^\s*(\w+) = (\w+)\s*$")  # an extern kernel's output renamed: buf2 = buf1
-_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
-_GUARD = re.compile(r"torch\.ops\.zero3\.guard\.default\(")
-
-
-def generated_events(source_code: str) -> list[tuple[str, int]]:
-    """The collective events of Inductor's generated wrapper code, in order: ("issue", k) and
-    ("wait", k) for the k-th collective issued, and ("guard", -1)."""
-    body = source_code.split("def call(", 1)[-1]
-    events: list[tuple[str, int]] = []
-    buffers: dict[str, int] = {}
-    issued = 0
-    for line in body.splitlines():
-        call = _CALL.match(line) or _OURS.match(line) or _IN_PLACE.match(line)
-        if call:
-            buffers[call.group(1)] = issued
-            events.append(("issue", issued))
-            issued += 1
-            continue
-        alias = _ALIAS.match(line)
-        if alias and alias.group(2) in buffers:
-            buffers[alias.group(1)] = buffers[alias.group(2)]
-            continue
-        wait = _WAIT.search(line)
-        if wait and wait.group(1) in buffers:
-            events.append(("wait", buffers[wait.group(1)]))
-            continue
-        if _GUARD.search(line):
-            events.append(("guard", -1))
-    return events
-
-
 def scheduled_events(graph: fx.Graph) -> list[tuple[str, int]]:
     """What ``generated_events`` must find for ``graph``."""
     from ..collectives.ops import GUARD, HANDOFF_GATHER, TAKE_GATHER
@@ -193,32 +143,6 @@ def most_in_flight(events: list[tuple[str, int]]) -> int:
         elif kind == "wait":
             pending.discard(index)
     return most
-
-
-def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]:
-    """(kind, output elements or None) of each collective in Inductor's generated wrapper code.
-
-    The output size comes from Inductor's ``assert_size_stride`` line (None when size asserts are
-    off). Kinds use the names of ``collective_signature``.
-    """
-    order: list[tuple[str, int | None]] = []
-    pending: dict[str, int] = {}
-    for line in source_code.splitlines():
-        call = _CALL.match(line) or _OURS.match(line)
-        if call:
-            kind = _KINDS[call.group(2)]
-            pending[call.group(1)] = len(order)
-            order.append((kind, None))
-            continue
-        if _IN_PLACE.match(line):
-            order.append(("all_reduce", None))
-            continue
-        size = _SIZE.match(line)
-        if size and size.group(1) in pending:
-            index = pending.pop(size.group(1))
-            numel = math.prod(int(d) for d in size.group(2).replace(" ", "").split(",") if d)
-            order[index] = (order[index][0], numel)
-    return order
 
 
 def expected_collective_order(graph: fx.Graph) -> list[tuple[str, int]]:

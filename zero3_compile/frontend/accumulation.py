@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.autograd import queue_callback
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
 from ..offload.grads import spool
 from ..runtime import guard
@@ -241,7 +242,7 @@ def _flush(state: ShardedParam):
         runtime = state.root
         if runtime in _closing and runtime not in _queued:
             _queued.add(runtime)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _reduce_rest(runtime))
+            queue_callback(lambda: _reduce_rest(runtime))
 
     return flush
 

@@ -34,7 +34,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..compat import local_shard
+from .._torch.dtensor import local_shard
 from ..sharding.spec import UNBOUND_ID
 from ..sharding.state import ModuleState, ShardedParam, ShardState, module_state, set_module_state
 from .module import Zero3Module

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
+from .._torch.pytree import tree_map
 from ..sharding.policy import MixedPrecision
 from ..sharding.state import module_state
 from .classes import reclass

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from ..compat import nested_regions_take_dtensor_inputs
+from .._torch.dynamo import nested_regions_take_dtensor_inputs
 from .classes import base_class, is_sharded_module
 
 _MARK = "_zero3_compile_once"

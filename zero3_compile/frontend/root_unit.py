@@ -57,11 +57,9 @@ def unit_members(root: nn.Module) -> list[tuple]:
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
+    from .._torch.dynamo import is_compiled_module
 
-    return isinstance(module, OptimizedModule) or (
-        getattr(module, "_compiled_call_impl", None) is not None
-    )
+    return is_compiled_module(module)
 
 
 class _Enter:

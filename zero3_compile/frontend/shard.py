@@ -20,14 +20,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..compat import group_backend
 from ..offload.grads import spool_gradients
 from ..offload.params import Offload, offload_model, open_store
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import mark_replaced, repoint_optimizers_holding, watch_optimizers
 from ..runtime.root import Zero3Runtime
 from ..sharding.layout import TensorParallelLayout, model_parallel_mesh, register_mesh_dims
-from ..sharding.mesh import DataParallelMesh
+from ..sharding.mesh import DataParallelMesh, group_backend
 from ..sharding.state import ModuleState, ShardedParam, param_id_of
 from .broadcast import agree_on, broadcast_from, describe_tensors, source_rank
 from .classes import is_sharded_module, make_sharded

@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from ..compat import default_store
+from .._torch.c10d import default_store
 
 POLL_S = 0.05
 LEAVE_TIMEOUT_S = 60.0  # rank 0 waits this long at most for the others to count themselves out

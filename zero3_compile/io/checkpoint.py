@@ -81,6 +81,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .._torch.checkpoint import no_optimizer_state_init
 from ..frontend.loading import loading as shard_access
 from ..offload.deferred import deferred_reads, holds_deferred, materialized
 from ..offload.incoming import IncomingWrites, incoming, incoming_loads
@@ -441,17 +442,8 @@ def _no_optimizer_init(active: bool = True):
     1 before the first real step and every later update differs (and, inside a sync-off window,
     the step would be refused). Without it the optimizer's state dict holds what it has: its
     parameter groups only, before the first step."""
-    from torch.distributed.checkpoint import state_dict as torch_state_dict
-
-    original = getattr(torch_state_dict, "_init_optim_state", None)
-    if not active or original is None:  # a torch without it creates no state either
+    with no_optimizer_state_init(active):
         yield
-        return
-    torch_state_dict._init_optim_state = lambda optim: None
-    try:
-        yield
-    finally:
-        torch_state_dict._init_optim_state = original
 
 
 def _without_optimizer_state(metadata) -> bool:
@@ -851,7 +843,8 @@ def _verified_on_read(state: dict[str, Any]) -> bool:
     every file it read was intact. The same answer on every rank (the load verifies first on
     all, or on none)."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
+
+    from .._torch.pytree import tree_leaves
 
     in_memory = 0
     for value in tree_leaves(state):

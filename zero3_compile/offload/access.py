@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ..compat import allow_foreach
+from .._torch.pytree import tree_flatten, tree_map
+from .._torch.tensors import allow_foreach, make_wrapper_subclass
 
 aten = torch.ops.aten
 
@@ -84,7 +84,7 @@ class LiveTensor(torch.Tensor):
     def __new__(cls, values: OffloadedValues, views: tuple = (), like: torch.Tensor | None = None):
         base = values.tensor()
         like = base if like is None else like
-        self = torch.Tensor._make_wrapper_subclass(
+        self = make_wrapper_subclass(
             cls,
             like.shape,
             strides=like.stride(),

@@ -20,8 +20,9 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from torch.utils._pytree import tree_map
 
+from .._torch.pytree import tree_leaves, tree_map
+from .._torch.tensors import make_wrapper_subclass
 from .store import Region, read_target
 
 aten = torch.ops.aten
@@ -66,7 +67,7 @@ def wrapper_tensor(cls, shape, dtype, device, strides=None) -> torch.Tensor:
             strides.append(step)
             step *= max(size, 1)
         strides = tuple(reversed(strides))
-    return torch.Tensor._make_wrapper_subclass(
+    return make_wrapper_subclass(
         cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=False
     )
 
@@ -164,7 +165,6 @@ def materialized(value):
 def holds_deferred(state) -> bool:
     """Whether a (nested) state dict holds any ``StoredTensor``."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
 
     return any(
         isinstance(v, StoredTensor)

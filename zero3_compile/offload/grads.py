@@ -37,9 +37,9 @@ from concurrent.futures import Future
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
-from ..compat import storage_key
+from .._torch.pytree import tree_map
+from .._torch.tensors import storage_key
 from .access import written_arguments
 from .deferred import wrapper_tensor
 from .store import DiskStore, HostStore, OffloadError, Region

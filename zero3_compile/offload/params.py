@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..compat import storage_key
+from .._torch.tensors import storage_key
 from .access import make_offloaded, make_plain
 from .origins import take_origin
 from .store import DiskStore, FileRows, HostStore, OffloadError, Region, read_target

@@ -104,9 +104,9 @@ _SPLIT_BACKWARD = (
 def _splits_backward(pipeline_order) -> bool:
     """Whether a schedule's action table (rank -> actions) has input- or weight-only backwards,
     alone or inside an overlapped forward-backward."""
-    from torch.distributed.pipelining.schedules import _ComputationType
+    from .._torch.pipelining import split_backward_types
 
-    split = {_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT}
+    split = split_backward_types()
     if not isinstance(pipeline_order, dict):
         return False
     pending = [a for actions in pipeline_order.values() for a in actions or () if a is not None]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..compat import compiled_function_offset, is_compiled_function_node
+from .._torch.aot_autograd import compiled_function_offset, is_compiled_function_node
 from ..sharding.state import ShardState, kept_state_of, state_of
 from . import guard
 from .write_through import GatheredParameter

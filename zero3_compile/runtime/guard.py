@@ -40,7 +40,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..compat import default_store, gloo_side_group, group_backend, side_all_gather
+from .._torch.c10d import default_store, gloo_side_group, side_all_gather
+from ..sharding.mesh import group_backend
 
 log = logging.getLogger(__name__)
 

@@ -110,7 +110,7 @@ def _rebuild(
 ) -> Zero3Runtime:
     import torch.distributed as dist
 
-    from ..compat import resolve_group
+    from .._torch.c10d import resolve_group
 
     try:
         group = resolve_group(group_name)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ..compat import disable_torch_function_subclass
+from .._torch.pytree import tree_flatten, tree_map
+from .._torch.tensors import disable_torch_function_subclass
 from ..sharding.state import ShardedParam
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..compat import concatenate_meshes, strided_shard
+from .._torch.dtensor import concatenate_meshes, strided_shard
 from .mesh import contiguous_stride
 
 
@@ -152,7 +152,7 @@ def register_mesh_dims(mesh: DeviceMesh) -> None:
 def foreign_group_role(group_name: str) -> str:
     """What a collective we did not insert is issued over, the same on every rank where it can be
     told: its mesh dimension's name; else the group's name."""
-    from ..compat import resolve_group
+    from .._torch.c10d import resolve_group
 
     try:
         ranks = tuple(sorted(dist.get_process_group_ranks(resolve_group(group_name))))

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..compat import mesh_from_group
 from .policy import MixedPrecision
 from .spec import ShardSpec
 
@@ -42,7 +41,7 @@ class DataParallelMesh:
         """From ``shard(group=...)`` or ``shard(mesh=...)``; clear errors for anything else."""
         if mesh is None:
             group = group if group is not None else dist.group.WORLD
-            return cls(mesh_from_group(group, device_type), group, None, (Shard(0),))
+            return cls(DeviceMesh.from_group(group, device_type), group, None, (Shard(0),))
         if group is not None:
             raise ValueError("zero3: pass either group= or mesh= to shard(), not both")
         if not isinstance(mesh, DeviceMesh):
@@ -151,3 +150,8 @@ def contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= size
     return tuple(reversed(stride))
+
+
+def group_backend(group: dist.ProcessGroup) -> str:
+    """The backend of a process group, lower case ("gloo", "nccl", "fake"...)."""
+    return str(dist.get_backend(group)).lower()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..compat import resolve_group
+from .._torch.c10d import resolve_group
 
 
 @dataclass(frozen=True)

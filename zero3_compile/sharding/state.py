@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..compat import local_shard
+from .._torch.dtensor import local_shard
 from .spec import ShardSpec
 
 
@@ -128,7 +128,7 @@ class ShardedParam:
 
     def local(self) -> torch.Tensor:
         """This rank's shard (a plain tensor sharing the parameter's storage; no gradient
-        flows back to the parameter where none came: ``compat.local_shard``)."""
+        flows back to the parameter where none came: ``_torch.dtensor.local_shard``)."""
         return local_shard(self.param)
 
     def attach(self, param: nn.Parameter) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..._torch.dynamo import set_grad_enabled_target
 from ...collectives.ops import is_unshard
-from ...compat import set_grad_enabled_target
 from ..context import PassContext
 from ..graph_facts import shard_source
 from ..markers import UnshardCall

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..._torch.c10d import WAIT
 from ...collectives.ops import HANDOFF_GATHER, TAKE_GATHER
-from ...compat import WAIT
 from ...runtime import guard
 from ..buckets import BucketRecord, name_map, records
 from ..context import PassContext

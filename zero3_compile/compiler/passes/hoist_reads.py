@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ...compat import checkpoint_hops, is_dtensor_to_local, normalize_to_local
+from ..._torch.dynamo import is_dtensor_to_local, normalize_to_local
+from ..._torch.higher_order import checkpoint_hops
 from ..context import PassContext
 from ..graph_utils import value_meta
 

@@ -6,10 +6,10 @@ from collections import defaultdict
 
 import torch.fx as fx
 
+from ..._torch.c10d import WAIT
 from ...collectives.arithmetic import gather_bytes
 from ...collectives.ops import RELOAD, UNSHARD
 from ...collectives.schemes import gather_scheme
-from ...compat import WAIT
 from ...sharding.nodes import shard_group_of
 from ..buckets import BucketRecord, GraphEmit, add_record
 from ..context import PassContext

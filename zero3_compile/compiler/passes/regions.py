@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ..._torch.dynamo import is_dtensor_to_local, normalize_to_local
 from ...collectives.ops import UNSHARD, is_unshard
-from ...compat import is_dtensor_to_local, normalize_to_local
 from ..context import PassContext
 from ..graph_facts import (
     calls_regions,

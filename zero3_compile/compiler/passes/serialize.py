@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
+from ..._torch.c10d import WAIT, backend_of
+from ..._torch.fx import OpOverload
 from ...collectives.ops import HANDOFF_GATHER, TAKE_GATHER
-from ...compat import WAIT, backend_of
 from ..context import PassContext
 from ..graph_utils import move_before
 
@@ -88,7 +88,7 @@ def is_collective(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and (
         (
-            isinstance(target, torch._ops.OpOverload)
+            isinstance(target, OpOverload)
             and target.namespace == "_c10d_functional"
             and target is not WAIT
         )

@@ -6,8 +6,8 @@ import operator
 
 import torch.fx as fx
 
+from ..._torch.c10d import COLLECTIVES, WAIT
 from ...collectives.ops import GUARD, HANDOFF_GATHER, REDUCE_GRAD, RELOAD, TAKE_GATHER, UNSHARD
-from ...compat import COLLECTIVES, WAIT
 from ..context import PassContext
 from ..graph_facts import param_derived, region_calls, region_param_outputs
 from ..graph_utils import node_order, output_node

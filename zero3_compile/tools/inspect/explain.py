@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..._torch.pytree import tree_leaves
 from ...compiler.options import Options
 from ...compiler.recording import record_graphs
 from ...sharding.state import is_sharded
@@ -297,7 +298,7 @@ def _sharded_parameters_of(fn) -> list[torch.Tensor]:
 
 
 def _sum_floating(output) -> torch.Tensor | None:
-    tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     floating = [t.float().sum() for t in tensors if t.is_floating_point() and t.requires_grad]
     return sum(floating) if floating else None
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ...compat import profiler_allocation_tag
+from ..._torch.tracing import profiler_allocation_tag
 
 
 def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int, Any]:

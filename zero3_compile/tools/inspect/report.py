@@ -8,15 +8,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx as fx
 
+from ..._torch.c10d import ALL_GATHER, COLLECTIVES, REDUCE_SCATTER, WAIT, resolve_group
 from ...collectives.copy_ops import SECONDARY_SLICE
-from ...compat import (
-    ALL_GATHER,
-    COLLECTIVES,
-    REDUCE_SCATTER,
-    WAIT,
-    group_backend,
-    resolve_group,
-)
 from ...compiler.buckets import name_map, records
 from ...compiler.graph_facts import gathered_values, is_view
 from ...compiler.memory import memory_timeline
@@ -32,6 +25,7 @@ from ...compiler.node_keys import (
 )
 from ...compiler.recording import GraphRecord
 from ...sharding.layout import foreign_group_role
+from ...sharding.mesh import group_backend
 
 
 @dataclass
