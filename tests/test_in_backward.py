@@ -1,5 +1,5 @@
 """``offload_optimizer(in_backward=True)``: each parameter steps during the backward, beside
-its compute (offload/in_backward.py). 2 gloo ranks; every run is compared with the same model
+its compute (offload/optim/in_backward.py). 2 gloo ranks; every run is compared with the same model
 and batches under ``offload_optimizer`` without it: losses, parameters and optimizer state
 bit-identical; each refusal raises its reason on every rank and leaves the previous state."""
 

@@ -867,7 +867,7 @@ def test_a_region_left_in_a_file_reads_its_rows_cast_until_a_new_version_is_comm
         f.write(values.view(torch.uint8).numpy().tobytes())
     store = DiskStore(str(tmp_path), "params", 0, double_buffer=slots == 2)
     region = store.allocate(values.numel() * 4)
-    identity = store_module._identity(os.stat(path))
+    identity = store_module.file_identity(os.stat(path))
     file = store.source_file(path, identity)
     store.leave_in_file(region, FileRows(file, 7, torch.bfloat16, torch.float32))
     assert store.bytes_written == 0
@@ -904,7 +904,7 @@ def test_a_region_left_in_a_file_reads_its_rows_cast_until_a_new_version_is_comm
     with open(path, "wb") as f:
         f.write(b"header!" + values.view(torch.uint8).numpy().tobytes())
     assert store.source_file(path, identity) is file  # the descriptor it holds
-    assert store.source_file(path, store_module._identity(os.stat(path + ".old"))) is None
+    assert store.source_file(path, store_module.file_identity(os.stat(path + ".old"))) is None
     store.close()
 
 

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..offload.params import loaded, register_loaded
+from ..offload.model import register_loaded
+from ..offload.params import loaded
 from ..sharding.state import ShardedParam, ShardState, module_state
 
 

@@ -20,8 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..offload.grads import spool_gradients
-from ..offload.params import Offload, offload_model, open_store
+from ..offload.model import Offload, offload_model, open_store, spool_gradients
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import mark_replaced, repoint_optimizers_holding, watch_optimizers
 from ..runtime.root import Zero3Runtime

@@ -64,7 +64,7 @@ from ..frontend.module import Zero3Module
 from ..frontend.shard import shard
 from ..io.checkpoint import load_checkpoint, save_checkpoint
 from ..io.state_dict import full_state_dict
-from ..offload.optimizer import offload_optimizer
+from ..offload.optim import offload_optimizer
 from .deepspeed_config import LeafModules, translate
 from .generation import mark_sharded
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..frontend.leaves import set_leaf_modules
-from ..offload.params import Offload
+from ..offload.model import Offload
 from .deepspeed_keys import HOST_MEMORY, KEYS, NOTED, REFUSED, REMOVED, SECTIONS, TOP
 from .deepspeed_schedules import OptimizerSpec, ScheduleSpec
 

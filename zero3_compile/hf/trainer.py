@@ -54,7 +54,7 @@ from ..frontend.mixed_precision import MixedPrecision, set_mixed_precision
 from ..frontend.module import Zero3Module
 from ..frontend.shard import shard
 from ..io.checkpoint import load_checkpoint, save_checkpoint
-from ..offload.optimizer import offload_optimizer
+from ..offload.optim import offload_optimizer
 from .deepspeed_config import Translated, translate
 from .generation import mark_sharded
 from .peft import sharded_runtime

@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from ..frontend.broadcast import broadcast_from, source_rank
 from ..frontend.classes import base_class
-from ..offload.params import loaded, register_loaded
+from ..offload.model import register_loaded
+from ..offload.params import loaded
 from ..sharding.state import module_state, state_of
 
 

@@ -136,7 +136,7 @@ class _Version:
 
 class Applied:
     """The content of a gradient an optimizer stepped with during the backward
-    (``in_backward.py``): reading, scaling or zeroing it asks ``check``, which raises what
+    (``optim/in_backward.py``): reading, scaling or zeroing it asks ``check``, which raises what
     that would break (zeroing is allowed once the step is committed)."""
 
     norm = None
@@ -178,8 +178,16 @@ class SpooledGrad(torch.Tensor):
     def __init__(self, *args, **kwargs):
         pass
 
+    @classmethod
+    def holding(cls, spool: GradSpool, content, like: torch.Tensor) -> SpooledGrad:
+        """A gradient of ``like``'s shape, dtype and device whose content is ``content``: a
+        version ``spool.write`` returned, an ``Applied`` or None (zeros)."""
+        return cls(spool, _Cell(content), like.shape, like.dtype, like.device)
+
     @property
-    def _content(self) -> _Version | None:
+    def content(self) -> _Version | Applied | None:
+        """What the gradient holds: its written version, an ``Applied`` (stepped during the
+        backward) or None (zeros)."""
         return self._cell.content
 
     @property
@@ -187,7 +195,7 @@ class SpooledGrad(torch.Tensor):
         return self._cell.factors
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        where = "zeros" if self._content is None else "offloaded"
+        where = "zeros" if self.content is None else "offloaded"
         return f"SpooledGrad(shape={tuple(self.shape)}, dtype={self.dtype}, {where})"
 
     def _alias(self) -> SpooledGrad:
@@ -195,7 +203,7 @@ class SpooledGrad(torch.Tensor):
 
     def _copy(self) -> SpooledGrad:
         # versions are immutable: a copy refers to the same one until either is written
-        cell = _Cell(self._content, self._factors)
+        cell = _Cell(self.content, self._factors)
         return SpooledGrad(self._spool, cell, self.shape, self.dtype, self.device)
 
     def _set(self, version: _Version | None) -> None:
@@ -204,16 +212,16 @@ class SpooledGrad(torch.Tensor):
     def _scale(self, factor) -> None:
         if _is_one(factor):  # changes no value (clip_grad_norm_ under its bound multiplies by 1)
             return
-        if isinstance(self._content, Applied):
-            self._content.check("scaled")
+        if isinstance(self.content, Applied):
+            self.content.check("scaled")
         self._cell.factors = (*self._cell.factors, _factor(factor))
 
     def materialize(self) -> torch.Tensor:
         """The values, read into a tensor of their own (pending factors applied)."""
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if self._content is None:
+        if self.content is None:
             return out.zero_()
-        self._content.read_into(out)
+        self.content.read_into(out)
         for factor in self._factors:
             out.mul_(factor)
         return out
@@ -221,18 +229,18 @@ class SpooledGrad(torch.Tensor):
     def materialize_part(self, start: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``start .. start + out.numel()`` of the flattened values (factors applied),
         read into ``out``."""
-        if self._content is None:
+        if self.content is None:
             return out.zero_()
-        self._content.read_part_into(out, start * self.element_size())
+        self.content.read_part_into(out, start * self.element_size())
         for factor in self._factors:
             out.mul_(factor)
         return out
 
     def _norm(self):
         """The 2-norm without reading, where it is known exactly."""
-        if self._content is None or self._factors or self._content.norm is None:
+        if self.content is None or self._factors or self.content.norm is None:
             return None
-        return self._content.norm.clone()
+        return self.content.norm.clone()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -243,10 +251,6 @@ class SpooledGrad(torch.Tensor):
             if out is not NotImplemented:
                 return out
         return _read_and_run(func, args, kwargs)
-
-
-def _meta(tensor: torch.Tensor):
-    return tensor.shape, tensor.dtype, tensor.device
 
 
 def _is_scalar(value) -> bool:
@@ -283,8 +287,8 @@ def _view(self, size):
 
 
 def _zero_(self):
-    if isinstance(self._content, Applied):
-        self._content.check("zeroed")
+    if isinstance(self.content, Applied):
+        self.content.check("zeroed")
     self._set(None)
     return self
 
@@ -302,10 +306,10 @@ def _foreach_zero_(tensors):
 def _add_(self, other, alpha=1):
     """Autograd accumulating a stepped gradient into zeros (``zero_grad(set_to_none=False)``):
     the placeholder itself."""
-    applied = isinstance(other, SpooledGrad) and isinstance(other._content, Applied)
-    if not (applied and isinstance(self, SpooledGrad) and self._content is None and alpha == 1):
+    applied = isinstance(other, SpooledGrad) and isinstance(other.content, Applied)
+    if not (applied and isinstance(self, SpooledGrad) and self.content is None and alpha == 1):
         return NotImplemented
-    self._set(other._content)
+    self._set(other.content)
     return self
 
 
@@ -340,7 +344,7 @@ def _add(self, other, alpha=1):
     if self.shape != other.shape or self.dtype != other.dtype:
         return NotImplemented
     total = torch.add(self.materialize(), other.materialize(), alpha=alpha)
-    return SpooledGrad(self._spool, _Cell(self._spool.write(total)), *_meta(total))
+    return SpooledGrad.holding(self._spool, self._spool.write(total), total)
 
 
 def _vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
@@ -453,7 +457,7 @@ def spool(state, grad: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, SpooledGrad):
         return grad
     version = grad_spool.write(grad)
-    return SpooledGrad(grad_spool, _Cell(version), *_meta(grad))
+    return SpooledGrad.holding(grad_spool, version, grad)
 
 
 def spool_grad(grad: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
@@ -474,7 +478,7 @@ _takers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ShardedParam
 
 def take_gradients(state, taker) -> None:
     """``taker(state, grad)`` receives ``state``'s reduced gradient shards in the backward
-    instead of the spool, and returns what stands for them (``in_backward.py``)."""
+    instead of the spool, and returns what stands for them (``optim/in_backward.py``)."""
     _takers[state] = taker
 
 
@@ -501,19 +505,11 @@ def _spool_accumulated(state):
     return hook
 
 
-def open_spool(root, offload, device: torch.device) -> GradSpool:
-    """The gradient spool of a model; every rank raises if any rank failed."""
-    from .params import open_store
-
-    return GradSpool(open_store(root, offload, device, what="grads"))
-
-
-def spool_gradients(root, states: list, offload, device: torch.device) -> None:
-    """Give a model a gradient spool and route every parameter's gradients into it."""
-    root.grad_spool = open_spool(root, offload, device)
-    for state in states:
-        register(state)
-        _hook(state.param, _spool_accumulated(state))
+def route_gradients(state) -> None:
+    """Route ``state``'s gradients into its model's spool: the backward's reduced shards (found
+    by the shard's storage) and whatever else accumulates into ``param.grad`` (a hook)."""
+    register(state)
+    _hook(state.param, _spool_accumulated(state))
 
 
 def _hook(param, hook) -> None:
@@ -546,4 +542,4 @@ def with_local(param, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-__all__ = ["Applied", "GradSpool", "SpooledGrad", "spool_gradients", "take_gradients"]
+__all__ = ["Applied", "GradSpool", "SpooledGrad", "route_gradients", "take_gradients"]

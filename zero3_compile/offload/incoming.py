@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .deferred import RegionTensor, Switch, wrapper_tensor
-from .store import _ALIGN, Region, read_target
+from .store import ALIGN, Region, read_target
 
 _HOST = torch.device("cpu")  # DCP reads the checkpoint into host memory; stores write from it
 _incoming = Switch()
@@ -173,7 +173,7 @@ def _direct_part(value: IncomingTensor, offsets, lengths) -> int | None:
     for size in shape[1:]:
         row *= size
     start, end = offsets[0] * row, (offsets[0] + lengths[0]) * row
-    if start % _ALIGN or (end % _ALIGN and end != value.numel() * value.element_size()):
+    if start % ALIGN or (end % ALIGN and end != value.numel() * value.element_size()):
         return None
     return start
 

@@ -47,7 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding.state import ShardState, state_of
 from .access import LiveTensor
-from .params import agree, register, unregister
+from .model import agree
+from .params import register, unregister
 from .store import DiskStore, HostStore, OffloadError, Region
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ _CHUNK = 1 << 22  # elements compared at a time
 @dataclass(frozen=True)
 class Origin:
     path: str
-    identity: tuple  # store._identity of the file as it was read
+    identity: tuple  # store.file_identity of the file as it was read
     offset: int  # bytes from the file's start
     dtype: torch.dtype  # in the file
 
@@ -63,9 +63,9 @@ def record(tensor: torch.Tensor, path: str, fd: int, offset: int, dtype: torch.d
     recent = getattr(_local, "recent", None)
     if recent is None:
         return
-    from .store import _identity
+    from .store import file_identity
 
-    origin = Origin(os.fspath(path), _identity(os.fstat(fd)), offset, dtype)
+    origin = Origin(os.fspath(path), file_identity(os.fstat(fd)), offset, dtype)
     recent.append((tensor, origin))
 
 

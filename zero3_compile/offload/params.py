@@ -18,13 +18,14 @@ without a reload shows). It comes back:
 A shard a loader read from a checkpoint's rows (``origins.py``) is not written when it is
 registered: its region reads those rows from the file until the first new version replaces them
 (``store.FileRows``).
+
+A model's setup (the ``Offload`` options, its store opened on every rank) is ``model.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import threading
 import time
 import weakref
@@ -32,68 +33,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .._torch.tensors import storage_key
 from .access import make_offloaded, make_plain
 from .origins import take_origin
-from .store import DiskStore, FileRows, HostStore, OffloadError, Region, read_target
-
-log = logging.getLogger(__name__)
-
-TIERS = ("cpu", "disk")
-
-
-@dataclass(frozen=True)
-class Offload:
-    """Where parameter shards and gradient shards live between uses.
-
-    params: "disk" (a file per rank under ``path``: for CPU and accelerator models), "cpu"
-        (pinned host memory: for accelerator models; a CPU model is in host memory already, use
-        "disk"), or None (no offload).
-    grads: the same tiers for gradient shards, from the backward that reduces them to the
-        optimizer that reads them (``offload/grads.py``; pair it with ``offload_optimizer``).
-    path: folder of the disk tier (default: a private temporary folder removed at exit).
-    o_direct: open the file with O_DIRECT (through aligned staging buffers), falling back to
-        buffered I/O where the file system refuses it.
-    threads: I/O threads of the disk tier.
-    poison: debug mode: evicted shards and reloads still in flight hold NaN, so any read that is
-        not preceded by its wait shows up as NaN in the results.
-    double_buffer: the disk tier writes each new version of a shard beside the current one, so
-        an I/O error during a step leaves the previous values (twice the disk). False: one copy,
-        rewritten in place; after such an error the lost values refuse to be read (resume from
-        a checkpoint). For models whose state fills the disk.
-
-    Example:
-        ```python
-        model = z3.shard(model, offload=z3.Offload(params="disk", grads="disk", path="/nvme/run1"))
-        opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), path="/nvme/run1")
-        ```
-    """
-
-    params: str | None = None
-    grads: str | None = None
-    path: str | None = None
-    o_direct: bool = False
-    threads: int = 4
-    poison: bool = False
-    double_buffer: bool = True
-
-    def validate(self, device: torch.device) -> None:
-        for what in ("params", "grads"):
-            tier = getattr(self, what)
-            if tier not in (None, *TIERS):
-                raise ValueError(f"zero3: Offload({what}={tier!r}) must be 'cpu', 'disk' or None")
-            if tier == "cpu" and device.type == "cpu":
-                raise ValueError(
-                    f"zero3: Offload({what}='cpu') keeps shards in host memory for accelerator "
-                    f"models; this model already lives in host memory. Use Offload({what}="
-                    "'disk') to move idle shards out of memory."
-                )
-        if not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ValueError(
-                f"zero3: Offload(threads=...) must be an int >= 1, got {self.threads!r}"
-            )
+from .store import DiskStore, FileRows, HostStore, Region, read_target
 
 
 class Residency(enum.Enum):
@@ -152,10 +96,10 @@ def register(
     pending = _deferred.get(id(store))
     if pending is None:
         store.write_current(record.region, local.contiguous(), non_blocking=non_blocking)
-        _evict(state)
+        evict(state)
         return
     if _leave_in_file(store, record.region, local):
-        _evict(state)
+        evict(state)
         return
     data = local.contiguous()
     pending.append((store.write_current_async(record.region, data), state, data))
@@ -167,7 +111,7 @@ def unregister(state) -> Region:
     holds; returns the region that held them."""
     record = state.offload
     if record.evicted:
-        _fill(state)
+        fill(state)
     with _lock:
         _by_storage.pop(storage_key(_data(state)), None)
     state.offload = None
@@ -237,7 +181,7 @@ def _settle(pending: list, keep: int, raising: bool = True) -> None:
             future.result()
         except BaseException as error:  # noqa: BLE001  - raised below, once all are waited
             failure = failure or error
-        _evict(state)
+        evict(state)
     if failure is not None and raising:
         raise failure
 
@@ -247,7 +191,8 @@ def _data(state) -> torch.Tensor:
     return state.local().detach()
 
 
-def _evict(state) -> None:
+def evict(state) -> None:
+    """Drop a resident offloaded shard's values from its parameter (its store holds them)."""
     record = state.offload
     local = _data(state)
     if record.poison:
@@ -257,7 +202,7 @@ def _evict(state) -> None:
     record.mark(Residency.EVICTED)
 
 
-def _fill(state) -> None:
+def fill(state) -> None:
     """Bring an evicted shard back into its own parameter."""
     record = state.offload
     local = _data(state)
@@ -382,7 +327,7 @@ _keepers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def keep_reloads(state, keeper) -> None:
     """``keeper(state, values)`` receives ``state``'s shard values each time a backward graph
-    reloads them (``in_backward.py``: the step that follows uses them instead of reading)."""
+    reloads them (``optim/in_backward.py``: the step that follows uses them instead of reading)."""
     _keepers[state] = keeper
 
 
@@ -418,7 +363,7 @@ def loaded(states: Iterable, *, write_back: bool) -> Iterator[None]:
     try:
         for state in states:
             if state.offload.evicted:
-                _fill(state)
+                fill(state)
                 filled.append(state)
         yield
         if write_back:
@@ -432,13 +377,13 @@ def loaded(states: Iterable, *, write_back: bool) -> Iterator[None]:
         raise
     finally:
         for state in filled:
-            _evict(state)
+            evict(state)
 
 
 def load_shards(states: Iterable) -> None:
     for state in states:
         if state.offload.evicted:
-            _fill(state)
+            fill(state)
 
 
 def store_shards(states: Iterable) -> None:
@@ -453,78 +398,7 @@ def store_shards(states: Iterable) -> None:
         raise
     for state in states:
         state.offload.region.commit()
-        _evict(state)
-
-
-# --------------------------------------------------------------------------- setting up
-
-
-def open_store(root, offload: Offload, device: torch.device, what: str = "params"):
-    """The offload store of a model's parameter shards (``what="grads"``: its gradient spool's);
-    every rank raises if any rank failed (an unwritable path or a full disk on one rank must not
-    leave the others waiting)."""
-    offload.validate(device)
-    failure, store = None, None
-    try:
-        store = (
-            HostStore()
-            if getattr(offload, what) == "cpu"
-            else DiskStore(
-                offload.path,
-                what,
-                dist.get_rank(),
-                threads=offload.threads,
-                o_direct=offload.o_direct,
-                double_buffer=offload.double_buffer,
-            )
-        )
-    except OffloadError as error:
-        failure = error
-    agree(root.dp.shard_group, failure)
-    return store
-
-
-def offload_model(root, states: list, offload: Offload, device: torch.device) -> None:
-    """Open the store and evict every shard of ``states`` into it (see ``open_store``)."""
-    root.offload_store = open_store(root, offload, device)
-    failure = None
-    try:
-        for state in states:
-            register(state, root.offload_store, offload.poison)
-    except OffloadError as error:
-        failure = error
-    agree(root.dp.shard_group, failure)
-    log.debug(
-        "zero3: offloaded %d parameter shards (%.1f MiB) to %s",
-        len(states),
-        sum(s.offload.nbytes for s in states) / 2**20,
-        offload.params,
-    )
-
-
-def register_loaded(state) -> None:
-    """A shard that just received its values (``materialize``, a loader): into the model's
-    offload store, if it has one, and out of memory; its gradients into the model's spool."""
-    root = state.root
-    if getattr(root, "grad_spool", None) is not None:
-        from .grads import register as spool_its_grads
-
-        spool_its_grads(state)
-    store = getattr(root, "offload_store", None)
-    if store is None or state.offload is not None:
-        return
-    register(state, store, root.offload.poison)
-
-
-def agree(group, failure: Exception | None, what: str = "set up its offload store") -> None:
-    """Every rank of ``group`` raises if one failed (``failure`` on this rank)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, group=group)
-        if failure is None and int(flag) > 0:
-            raise OffloadError(0, f"zero3: another rank could not {what} (see its error)")
-    if failure is not None:
-        raise failure
+        evict(state)
 
 
 def shard_bytes(states) -> int:

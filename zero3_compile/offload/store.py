@@ -33,7 +33,7 @@ from .allocator import settle_host_allocator
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 4096
+ALIGN = 4096  # bytes: O_DIRECT transfers and the parts of a region start at this boundary
 
 
 class OffloadError(OSError):
@@ -62,14 +62,14 @@ class SourceFile:
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        self.identity = _identity(os.fstat(self.fd))
+        self.identity = file_identity(os.fstat(self.fd))
 
     def check(self) -> None:
         if self.fd < 0:
             raise OffloadError(
                 errno.EBADF, f"zero3: the offload store reading {self.path!r} was closed"
             )
-        if _identity(os.fstat(self.fd)) != self.identity:
+        if file_identity(os.fstat(self.fd)) != self.identity:
             raise OffloadError(
                 errno.ESTALE,
                 f"zero3: the checkpoint file {self.path!r} changed after it was loaded, before "
@@ -80,7 +80,8 @@ class SourceFile:
             )
 
 
-def _identity(stat: os.stat_result) -> tuple:
+def file_identity(stat: os.stat_result) -> tuple:
+    """What tells a file apart from another one written at the same path since."""
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -200,18 +201,18 @@ class Region:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ALIGN) * ALIGN
 
 
 def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory starts at an ``_ALIGN`` boundary: O_DIRECT
+    """An uninitialised CPU tensor whose memory starts at an ``ALIGN`` boundary: O_DIRECT
     reads and writes it without a staging copy."""
     tensor = torch.empty(shape, dtype=dtype)
-    if tensor.data_ptr() % _ALIGN == 0:  # the host cache's blocks are: a storage of its own size
+    if tensor.data_ptr() % ALIGN == 0:  # the host cache's blocks are: a storage of its own size
         return tensor
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % _ALIGN
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % ALIGN
     return raw[shift : shift + nbytes].view(dtype).view(shape)
 
 
@@ -293,8 +294,8 @@ class DiskStore:
         self.free_staging = threading.Semaphore(staging_buffers)
         if self.o_direct:
             for _ in range(staging_buffers):
-                raw = torch.empty(self.staging_bytes + _ALIGN, dtype=torch.uint8)
-                shift = (-raw.data_ptr()) % _ALIGN
+                raw = torch.empty(self.staging_bytes + ALIGN, dtype=torch.uint8)
+                shift = (-raw.data_ptr()) % ALIGN
                 self.staging.append(raw[shift : shift + self.staging_bytes])
         self.bytes_read = 0
         self.bytes_written = 0
@@ -370,7 +371,7 @@ class DiskStore:
         return self.pool.submit(self.write_current, region, tensor)
 
     def source_file(self, path: str, identity: tuple) -> SourceFile | None:
-        """The store's ``SourceFile`` of the file at ``path`` whose identity (``_identity``) a
+        """The store's ``SourceFile`` of the file at ``path`` whose identity (``file_identity``) a
         loader read it with; None if the file at ``path`` is another one now."""
         with self.lock:
             file = self.sources.get(identity)
@@ -482,10 +483,10 @@ class DiskStore:
         staging buffers (a copy)."""
         flat = tensor.view(-1).view(torch.uint8) if tensor.dtype != torch.uint8 else tensor.view(-1)
         direct = 0
-        if tensor.data_ptr() % _ALIGN == 0 and offset % _ALIGN == 0:
-            direct = nbytes // _ALIGN * _ALIGN
+        if tensor.data_ptr() % ALIGN == 0 and offset % ALIGN == 0:
+            direct = nbytes // ALIGN * ALIGN
         if direct:
-            self._move(_memory(flat[:direct]), offset, write, nbytes, block=_ALIGN)
+            self._move(_memory(flat[:direct]), offset, write, nbytes, block=ALIGN)
         if nbytes > direct:
             self._staged(flat[direct:], offset + direct, nbytes - direct, write)
         if write:
@@ -568,13 +569,13 @@ class DiskStore:
 
 
 def _part_bytes(region: Region, tensor: torch.Tensor, start: int) -> int:
-    """Bytes of a part of ``region`` from ``start`` (``_ALIGN``-aligned: O_DIRECT transfers)."""
+    """Bytes of a part of ``region`` from ``start`` (``ALIGN``-aligned: O_DIRECT transfers)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if start % _ALIGN or start < 0 or start + nbytes > region.nbytes:
+    if start % ALIGN or start < 0 or start + nbytes > region.nbytes:
         raise OffloadError(
             errno.EINVAL,
             f"zero3: a part of {nbytes} bytes at {start} does not fit a region of "
-            f"{region.nbytes} bytes at a {_ALIGN}-byte boundary",
+            f"{region.nbytes} bytes at a {ALIGN}-byte boundary",
         )
     return nbytes
 

@@ -43,7 +43,7 @@ class Zero3Runtime:
         self.dp = dp
         self.policy = policy
         self.device = device
-        self.offload = offload  # offload.params.Offload, when parameter shards are offloaded
+        self.offload = offload  # offload.model.Offload, when parameter shards are offloaded
         self.offload_store = None  # its store (offload/store.py), opened by shard()
         self.grad_spool = None  # offload.grads.GradSpool, when gradient shards are offloaded
         self.leaves: list[weakref.ref] = []  # leaf modules (set_leaf_modules)

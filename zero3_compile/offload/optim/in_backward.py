@@ -48,9 +48,10 @@ import time
 
 import torch
 
-from ..sharding.state import ShardState, state_of
-from .grads import Applied, SpooledGrad, _Cell, spooled
-from .optimizer import _ELEMENTWISE, _Feed, _local, _OptimizerOffload, _Piece, _Undo
+from ...sharding.state import ShardState, state_of
+from ..grads import Applied, SpooledGrad, spooled
+from .tiled import OptimizerOffload
+from .tiles import ELEMENTWISE, Feed, Piece, Undo, local_of
 
 # gradient bytes handed to the stepping thread and not stepped yet before the backward waits
 # (the reloaded shard values that go with them hold as much again)
@@ -62,8 +63,8 @@ KEPT_BYTES = 2**30
 
 def check_setup(optimizer, states: dict) -> None:
     """Refuse what the in-backward mode cannot run, naming the fix."""
-    if type(optimizer) not in _ELEMENTWISE:
-        known = ", ".join(cls.__name__ for cls in _ELEMENTWISE)
+    if type(optimizer) not in ELEMENTWISE:
+        known = ", ".join(cls.__name__ for cls in ELEMENTWISE)
         raise ValueError(
             f"zero3: offload_optimizer(in_backward=True) steps each parameter's shard on its own "
             f"while the backward runs; it needs an optimizer whose update of an element reads "
@@ -87,7 +88,7 @@ def check_setup(optimizer, states: dict) -> None:
 class InBackward:
     """The steps one optimizer takes during backward passes (see the module docstring)."""
 
-    def __init__(self, offload: _OptimizerOffload, queued_bytes: int = QUEUED_BYTES):
+    def __init__(self, offload: OptimizerOffload, queued_bytes: int = QUEUED_BYTES):
         self.offload = offload
         self.queued_bytes = queued_bytes
         self.window: _Window | None = None  # the steps since the last ``step()``
@@ -138,7 +139,7 @@ class InBackward:
             if window is not None:
                 window.undo()
             raise
-        offload._commit(owned + rest)
+        offload.commit(owned + rest)
         self.stepped_after += len(rest)
         if window is not None:
             window.committed = True
@@ -146,7 +147,7 @@ class InBackward:
             self.stepped_in_backward += len(owned)
 
 
-class _GradFeed(_Feed):
+class _GradFeed(Feed):
     """A feed whose pieces hold the backward's gradients: the backward waits while more than
     ``limit`` bytes of them wait to be stepped."""
 
@@ -205,7 +206,7 @@ class _Window:
         self.owner = owner
         offload = owner.offload
         optimizer = offload.optimizer
-        self.undo_record = _Undo(optimizer, [])
+        self.undo_record = Undo(optimizer, [])
         self.started: dict[int, dict] = {}
         self.taken: dict[int, torch.Tensor] = {}
         self.kept: dict[int, torch.Tensor] = {}  # id(param) -> its reloaded values, not taken yet
@@ -213,11 +214,11 @@ class _Window:
         self.committed = False
         self.refused: str | None = None
         self.error: BaseException | None = None
-        self.feed = _GradFeed(offload._slots, owner.queued_bytes)
+        self.feed = _GradFeed(offload.slots, owner.queued_bytes)
         every = [p for g in optimizer.param_groups for p in g["params"]]
         states = {id(p): optimizer.state.get(p, {}) for p in every}
         pieces = [[piece] for p in every for piece in _pieces(offload, p)]
-        offload._pool = offload._staging_pool(pieces, states)
+        offload.pool = offload.staging_pool(pieces, states)
         self.thread = threading.Thread(target=self._run, name="zero3-opt-backward", daemon=True)
         self.thread.start()
 
@@ -262,7 +263,7 @@ class _Window:
         # its 2-norm, as the spool computes one for each gradient it writes: a norm is read
         # without the values (clip_grad_norm_, the Trainer's logged grad_norm)
         taken = _Taken(self, torch.linalg.vector_norm(grad, 2.0))
-        return SpooledGrad(state.root.grad_spool, _Cell(taken), grad.shape, grad.dtype, grad.device)
+        return SpooledGrad.holding(state.root.grad_spool, taken, grad)
 
     # ------------------------------------------------------------------ the stepping thread
 
@@ -287,7 +288,7 @@ class _Window:
         started = time.perf_counter()
         self.thread.join()
         self._waited(time.perf_counter() - started)
-        self.owner.offload._pool = None
+        self.owner.offload.pool = None
         self.kept.clear()  # reloaded, no gradient came (the step reads them as usual)
         if self.error is not None:
             self.undo()
@@ -304,7 +305,7 @@ class _Window:
         for param in self.taken.values():
             grad = spooled(param)
             if grad is None or not (
-                isinstance(grad._content, _Taken) and grad._content.window is self
+                isinstance(grad.content, _Taken) and grad.content.window is self
             ):
                 self._refuse(
                     "a gradient the backward stepped with was dropped or replaced before step() "
@@ -341,7 +342,7 @@ class _Window:
         if self.refused is None:
             self.feed.fail()  # the steps not started yet are not taken
             self.thread.join()
-            self.owner.offload._pool = None
+            self.owner.offload.pool = None
             self.kept.clear()
             self.undo()
             stores = [self.owner.offload.store]
@@ -360,10 +361,10 @@ class _Window:
         raise RuntimeError(f"zero3: {self.refused}")
 
 
-def _pieces(offload: _OptimizerOffload, param) -> list[_Piece]:
-    local = _local(param)
-    pieces = offload._pieces(param, offload._nbytes(param))
-    return pieces or [_Piece(param, 0, local.numel(), True)]
+def _pieces(offload: OptimizerOffload, param) -> list[Piece]:
+    local = local_of(param)
+    pieces = offload.pieces(param, offload.nbytes(param))
+    return pieces or [Piece(param, 0, local.numel(), True)]
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
@@ -380,7 +381,7 @@ def _accumulating(state, param) -> str | None:
             "the backward would step with the last micro-batch's alone"
         )
     grad = spooled(param)
-    if param.grad is None or (grad is not None and grad._content is None):
+    if param.grad is None or (grad is not None and grad.content is None):
         return None  # none, or zeros (zero_grad(set_to_none=False))
     return (
         f"parameter {state.spec.fqn!r} still has a gradient from an earlier backward; "

@@ -1,4 +1,5 @@
-"""Optimizer state that lives in an offload store between steps, streamed through ``step()``.
+"""``OptimizerOffload``: an optimizer's state in an offload store between steps, streamed
+through ``step()`` in tiles.
 
 ```python
 opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), tier="disk", path=p)
@@ -13,7 +14,7 @@ same optimizer without offload.
 
 A parameter larger than a tile (a 128256 x 3072 embedding's shard is 0.79 GB of fp32, 3.2 GB with
 its gradient and AdamW's two moments) steps in pieces of whole 4096-element runs when the
-optimizer is elementwise (``_ELEMENTWISE``: each element's update reads only that element's
+optimizer is elementwise (``tiles.ELEMENTWISE``: each element's update reads only that element's
 gradient and state): each piece of the shard, its gradient and its state is read from the store
 into buffers of its own, stepped as a parameter of its own (the group's hyperparameters, a copy
 of the step counter) and written back, so the parameter is never whole in memory; the results
@@ -30,247 +31,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
-import threading
 import time
-import types
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..sharding.state import state_of
-from .access import make_offloaded
-from .deferred import StoredTensor, reads_deferred
-from .grads import spooled, with_local
-from .incoming import IncomingTensor, incoming, loads_incoming
-from .params import _evict as evict_shard
-from .params import _fill as fill_shard
-from .store import DiskStore, HostStore, Region, aligned_empty
-
-log = logging.getLogger(__name__)
-
-
-def offload_optimizer(
-    optimizer: torch.optim.Optimizer,
-    tier: str = "disk",
-    path: str | None = None,
-    *,
-    tile_mb: float = 64.0,
-    read_ahead: int = 1,
-    threads: int = 4,
-    o_direct: bool = False,
-    poison: bool = False,
-    double_buffer: bool = True,
-    in_backward: bool = False,
-) -> torch.optim.Optimizer:
-    """Keep ``optimizer``'s state in ``tier`` ("disk" or, for accelerator models, "cpu") between
-    steps; returns the same optimizer object (``isinstance`` checks and DCP keep working).
-
-    ``double_buffer=False``: one copy of the state on disk, rewritten in place (half the disk);
-    a step that fails on an I/O error then loses the state it was writing (reads of it raise:
-    resume from a checkpoint) instead of keeping the previous one.
-
-    ``in_backward=True``: each parameter steps during the backward, as soon as its gradient is
-    reduced, so the state's I/O runs beside the backward's compute; ``step()`` waits for the
-    last steps and commits. Needs ``Offload(params=..., grads=...)`` and an elementwise
-    optimizer; refuses gradient clipping, scaling and accumulation (``in_backward.py``).
-
-    Example:
-        ```python
-        opt = z3.offload_optimizer(torch.optim.AdamW(model.parameters()), tier="disk", path="/nvme/run1")
-        loss_fn(step_model(x)).backward()
-        opt.step()  # the state streams through in tiles
-        ```
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"zero3: offload_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            "zero3: offload_optimizer needs an optimizer whose state is per parameter; LBFGS "
-            "keeps a history across all parameters and re-evaluates a closure"
-        )
-    if tier not in ("disk", "cpu"):
-        raise ValueError(f"zero3: offload_optimizer(tier={tier!r}) must be 'disk' or 'cpu'")
-    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
-    if tier == "cpu" and devices <= {"cpu"}:
-        raise ValueError(
-            "zero3: offload_optimizer(tier='cpu') keeps state in host memory for accelerator "
-            "models; this optimizer's parameters already live in host memory. Use tier='disk'."
-        )
-    if not (isinstance(read_ahead, int) and read_ahead >= 0):
-        raise ValueError(f"zero3: read_ahead must be an int >= 0, got {read_ahead!r}")
-    if getattr(optimizer, "_zero3_tiled", False):
-        raise ValueError("zero3: this optimizer is offloaded already")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    store = (
-        HostStore()
-        if tier == "cpu"
-        else DiskStore(
-            path, "optimizer", rank, threads=threads, o_direct=o_direct, double_buffer=double_buffer
-        )
-    )
-    if in_backward:
-        from .in_backward import check_setup
-
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        check_setup(optimizer, {p: state_of(p) for p in params})
-    offloaded = _OptimizerOffload(optimizer, store, int(tile_mb * 2**20), read_ahead, poison)
-    if in_backward:
-        from .grads import take_gradients
-        from .in_backward import InBackward
-        from .params import keep_reloads
-
-        offloaded.in_backward = InBackward(offloaded)
-        for param in params:
-            # a tied parameter's gradient comes in parts (one per use, eager or across graphs):
-            # it is spooled, and steps in step()
-            if not state_of(param).tied:
-                take_gradients(state_of(param), offloaded.in_backward.take)
-                keep_reloads(state_of(param), offloaded.in_backward.keep)
-    optimizer.__dict__["_zero3_tiled"] = True
-    optimizer.__dict__["_zero3_offload"] = offloaded
-    optimizer.step = types.MethodType(_step, optimizer)
-    optimizer.state_dict = types.MethodType(_state_dict, optimizer)
-    optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
-    if any(optimizer.state.values()):  # state that exists already goes to the store now
-        offloaded.store_all()
-        offloaded.mark_states()
-    return optimizer
+from ...sharding.state import state_of
+from ..access import make_offloaded
+from ..deferred import StoredTensor, reads_deferred
+from ..grads import spooled, with_local
+from ..incoming import IncomingTensor, incoming, loads_incoming
+from ..params import evict as evict_shard
+from ..params import fill as fill_shard
+from ..store import DiskStore, HostStore, Region, aligned_empty
+from .tiles import ELEMENTWISE, PIECE_ALIGN, Feed, Piece, Undo, local_of
 
 
-def _step(self, closure=None):
-    if closure is not None:
-        raise ValueError(
-            "zero3: an offloaded optimizer steps in tiles and cannot re-evaluate a closure; "
-            "compute the loss and call backward() before step()"
-        )
-    offloaded = self._zero3_offload
-    try:
-        if offloaded.in_backward is not None:
-            return offloaded.in_backward.step()
-        return offloaded.step()
-    finally:
-        offloaded.mark_states()
+class OptimizerOffload:
+    """The state of one optimizer in its store: a region per (parameter, state key), evicted
+    between steps. Steps passes of tiles (``step``, ``run``; the in-backward steps feed ``run``
+    too), undoes a failed one (``undo``), makes a pass's writes current (``commit``), and packs
+    and loads state dicts through the store."""
 
-
-def _state_dict(self):
-    return self._zero3_offload.state_dict()
-
-
-def _load_state_dict(self, state_dict):
-    try:
-        return self._zero3_offload.load_state_dict(state_dict)
-    finally:
-        self._zero3_offload.mark_states()
-
-
-# optimizers whose update of an element reads only that element's gradient and state (and
-# per-parameter scalars): a parameter can step in pieces with the same result
-_ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
-_PIECE_ALIGN = 4096  # elements: a piece of any dtype starts at a 4096-byte boundary (O_DIRECT)
-
-
-@dataclass(eq=False)
-class _Piece:
-    """Elements ``start .. stop`` of one parameter's flattened shard, stepped on their own."""
-
-    param: torch.Tensor
-    start: int
-    stop: int
-    last: bool
-    slot: int = 0  # of the step's staging pool
-    given: torch.Tensor | None = None  # the gradient shard, handed over by the backward
-    values: torch.Tensor | None = None  # the whole shard as the backward's reload read it
-    # (read only: the backward's collective may read it too)
-    # read by the load: the piece's shard, gradient and state values (the step writes the
-    # shard's in place); the state the step made, for the write
-    shard: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-class _Feed:
-    """The tiles of one stepping pass, in order: all known when ``step()`` starts, or appended
-    as the backward produces gradients (``in_backward``) until ``close()``. A piece's staging
-    slot follows its position, so the tiles in memory together never share one."""
-
-    def __init__(self, slots: int, tiles: list | None = None):
-        self.slots = slots
-        self.tiles: list[list] = []
-        self.closed = False
-        self.cond = threading.Condition()
-        if tiles is not None:
-            self.append(tiles)
-            self.close()
-
-    def append(self, tiles: list[list]) -> None:
-        with self.cond:
-            for tile in tiles:
-                if isinstance(tile[0], _Piece):
-                    tile[0].slot = len(self.tiles) % self.slots
-                self.tiles.append(tile)
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-    def peek(self, i: int) -> list | None:
-        with self.cond:
-            return self.tiles[i] if i < len(self.tiles) else None
-
-    def get(self, i: int) -> list | None:
-        """Tile ``i``, once it is there; None when the feed closed before it."""
-        with self.cond:
-            while i >= len(self.tiles) and not self.closed:
-                self.cond.wait()
-            return self.tiles[i] if i < len(self.tiles) else None
-
-    def stepped(self, tile: list) -> None:
-        """Tile ``tile`` stepped: what it held for the pass can go."""
-
-
-class _Undo:
-    """What undoing a pass over ``params`` needs: the small per-parameter values (step
-    counters) as they were, and which parameters had no state before."""
-
-    def __init__(self, optimizer, params: list):
-        self.params: list = []
-        self.scalars: dict = {}
-        self.fresh: list = []
-        self.add(optimizer, params)
-
-    def add(self, optimizer, params: list) -> None:
-        self.params.extend(params)
-        for param in params:
-            state = optimizer.state.get(param, {})
-            if not state:
-                self.fresh.append(param)
-            for key, value in state.items():
-                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
-                    copy = value.clone() if isinstance(value, torch.Tensor) else value
-                    self.scalars[(param, key)] = copy
-
-
-class _OptimizerOffload:
     def __init__(self, optimizer, store, tile_bytes: int, read_ahead: int, poison: bool):
         self.optimizer = optimizer
         self.store: DiskStore | HostStore = store
@@ -282,7 +66,7 @@ class _OptimizerOffload:
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero3-opt")
         self.tiles_resident_max = 0
         self.pieces_stepped = 0  # pieces of parameters larger than a tile, over all steps
-        self._pool: torch.Tensor | None = None  # the pieces' staging buffers, during a step
+        self.pool: torch.Tensor | None = None  # the pieces' staging buffers, during a step
         self._slot_bytes = 0
         self.grads_read: dict[int, torch.Tensor] = {}  # id(param) -> its spooled gradient, read
         self.in_backward = None  # in_backward.InBackward, with offload_optimizer(in_backward=True)
@@ -302,7 +86,7 @@ class _OptimizerOffload:
         """The param's state tensors that go to the store, as local (per-rank) tensors."""
         state = self.optimizer.state.get(param, {})
         return {
-            k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+            k: local_of(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0
         }
 
     def _load(self, param) -> None:
@@ -354,7 +138,7 @@ class _OptimizerOffload:
             if shard is not None and shard.offload is not None:
                 yield shard.offload.region
 
-    def _commit(self, params) -> None:
+    def commit(self, params) -> None:
         for region in self._regions(params):
             region.commit()
 
@@ -386,8 +170,8 @@ class _OptimizerOffload:
 
     # ------------------------------------------------------------------ the step
 
-    def _nbytes(self, param) -> int:
-        local = _local(param)
+    def nbytes(self, param) -> int:
+        local = local_of(param)
         per_element = local.element_size()
         kinds = max(len(self._offloadable(param)), 2)  # before the first step: Adam-sized
         kinds += spooled(param) is not None
@@ -398,8 +182,8 @@ class _OptimizerOffload:
         the parameters that step in pieces."""
         tiles, current, size = [], [], 0
         for param in params:
-            nbytes = self._nbytes(param)
-            pieces = self._pieces(param, nbytes)
+            nbytes = self.nbytes(param)
+            pieces = self.pieces(param, nbytes)
             if pieces or (current and size + nbytes > self.tile_bytes):
                 if current:
                     tiles.append(current)
@@ -414,66 +198,66 @@ class _OptimizerOffload:
         return tiles
 
     @property
-    def _slots(self) -> int:
+    def slots(self) -> int:
         # tiles i - 2 (its write in flight), i - 1, i (stepping), i + 1 .. i + read_ahead (read)
         return self.read_ahead + 3
 
-    def _staging_pool(self, tiles, started) -> torch.Tensor | None:
-        """One buffer for the pieces' shards, gradients and states, ``_slots`` of the largest
+    def staging_pool(self, tiles, started) -> torch.Tensor | None:
+        """One buffer for the pieces' shards, gradients and states, ``slots`` of the largest
         piece: allocated once per step (never less than 34 MiB of address space, pages only
         touched where used: glibc maps it and unmaps it whole, so freeing it does not raise its
         dynamic mmap threshold and leave later allocations in a fragmented heap)."""
-        pieces = [t[0] for t in tiles if isinstance(t[0], _Piece)]
+        pieces = [t[0] for t in tiles if isinstance(t[0], Piece)]
         if not pieces:
             return None
         slot = max(self._piece_bytes(p, started) for p in pieces)
         self._slot_bytes = slot
-        return aligned_empty((max(slot * self._slots, 34 * 2**20),), torch.uint8)
+        return aligned_empty((max(slot * self.slots, 34 * 2**20),), torch.uint8)
 
-    def _piece_bytes(self, piece: _Piece, started) -> int:
+    def _piece_bytes(self, piece: Piece, started) -> int:
         numel = piece.stop - piece.start
-        tensors = [_local(piece.param)] * 2  # its shard and gradient, at most
+        tensors = [local_of(piece.param)] * 2  # its shard and gradient, at most
         tensors += [
-            _local(v)
+            local_of(v)
             for v in started[id(piece.param)].values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         ]
         return sum(_aligned(numel * t.element_size()) for t in tensors)
 
-    def _pieces(self, param, nbytes: int) -> list[_Piece]:
+    def pieces(self, param, nbytes: int) -> list[Piece]:
         """The pieces of a parameter larger than a tile (none: it steps whole)."""
-        numel = _local(param).numel()
-        if nbytes <= self.tile_bytes or type(self.optimizer) not in _ELEMENTWISE:
+        numel = local_of(param).numel()
+        if nbytes <= self.tile_bytes or type(self.optimizer) not in ELEMENTWISE:
             return []
-        per_piece = self.tile_bytes * numel // nbytes // _PIECE_ALIGN * _PIECE_ALIGN
-        per_piece = max(per_piece, _PIECE_ALIGN)
+        per_piece = self.tile_bytes * numel // nbytes // PIECE_ALIGN * PIECE_ALIGN
+        per_piece = max(per_piece, PIECE_ALIGN)
         if per_piece >= numel:
             return []
         starts = range(0, numel, per_piece)
-        return [_Piece(param, a, min(a + per_piece, numel), a + per_piece >= numel) for a in starts]
+        return [Piece(param, a, min(a + per_piece, numel), a + per_piece >= numel) for a in starts]
 
     def step(self, params: list | None = None, commit: bool = True):
         """Step ``params`` (default: every parameter with a gradient); ``commit=False`` leaves
-        the new versions pending for the caller's ``_commit``."""
+        the new versions pending for the caller's ``commit``."""
         optimizer = self.optimizer
         if params is None:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        undo = _Undo(optimizer, params)
+        undo = Undo(optimizer, params)
         started = {id(p): dict(optimizer.state.get(p, {})) for p in params}
-        feed = _Feed(self._slots, self._tiles(params))
-        self._pool = self._staging_pool(feed.tiles, started)
+        feed = Feed(self.slots, self._tiles(params))
+        self.pool = self.staging_pool(feed.tiles, started)
         try:
             self.run(feed, started)
         except BaseException:
             self.undo(undo)
             raise
         finally:
-            self._pool = None
+            self.pool = None
         if commit:
-            self._commit(params)
+            self.commit(params)
         return None
 
-    def undo(self, undo: _Undo) -> None:
+    def undo(self, undo: Undo) -> None:
         """A pass failed or was refused: its writes forgotten, its values read again from the
         committed versions, the state it created dropped, the step counters set back."""
         optimizer = self.optimizer
@@ -491,7 +275,7 @@ class _OptimizerOffload:
             else:
                 state[key] = value
 
-    def run(self, feed: _Feed, started, count_wait=None) -> None:
+    def run(self, feed: Feed, started, count_wait=None) -> None:
         """Step the tiles of ``feed`` as they come: tile i+1 .. i+read_ahead read while tile i
         steps, tile i-1 written meanwhile. On an error every load and write in flight is
         waited for before it is raised (the caller then undoes the pass). ``count_wait``
@@ -506,7 +290,7 @@ class _OptimizerOffload:
                 loads[i] = self.workers.submit(self._load_tile, tile, started)
 
         def write_and_evict(tile) -> None:
-            if isinstance(tile[0], _Piece):
+            if isinstance(tile[0], Piece):
                 self._write_piece(tile[0])
                 return
             for param in tile:
@@ -526,7 +310,7 @@ class _OptimizerOffload:
                 count_wait(time.perf_counter() - waited)
                 resident = len(loads) + 1 + sum(not w.done() for w in writes)
                 self.tiles_resident_max = max(self.tiles_resident_max, resident)
-                if isinstance(tile[0], _Piece):
+                if isinstance(tile[0], Piece):
                     self._step_piece(tile[0])
                     self._claim_piece_state(tile[0])
                     if tile[0].last and writes:
@@ -551,14 +335,14 @@ class _OptimizerOffload:
             raise
 
     def _load_tile(self, tile, started) -> None:
-        if not isinstance(tile[0], _Piece):
+        if not isinstance(tile[0], Piece):
             for param in tile:
                 self._load(param)
             return
         piece = tile[0]
         param = piece.param
         start, numel = piece.start, piece.stop - piece.start
-        local = _local(param)
+        local = local_of(param)
         taken = 0
 
         def take(dtype: torch.dtype) -> torch.Tensor:
@@ -566,7 +350,7 @@ class _OptimizerOffload:
             begin = piece.slot * self._slot_bytes + taken
             nbytes = numel * dtype.itemsize
             taken += _aligned(nbytes)
-            return self._pool[begin : begin + nbytes].view(dtype)
+            return self.pool[begin : begin + nbytes].view(dtype)
 
         shard = state_of(param)
         if piece.values is not None:
@@ -584,12 +368,12 @@ class _OptimizerOffload:
         elif (grad := spooled(param)) is not None:
             piece.grad = grad.materialize_part(start, take(grad.dtype))
         else:
-            piece.grad = _local(param.grad).reshape(-1)[start : piece.stop]
+            piece.grad = local_of(param.grad).reshape(-1)[start : piece.stop]
         # the state as the step started (a copy of each scalar: every piece counts the same
         # step), each tensor's piece read from the store or viewed in memory
         for key, value in started[id(param)].items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state = _local(value)
+                state = local_of(value)
                 handle = (id(param), key)
                 if handle in self.evicted:
                     part = take(state.dtype)
@@ -600,7 +384,7 @@ class _OptimizerOffload:
             else:
                 piece.state[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
-    def _step_piece(self, piece: _Piece) -> None:
+    def _step_piece(self, piece: Piece) -> None:
         """Step one piece as a parameter of its own, with its group's hyperparameters, through
         a view of the optimizer: its groups and state are never swapped, so the in-backward
         stepping thread leaves them to the training thread (``zero_grad`` meanwhile)."""
@@ -621,13 +405,13 @@ class _OptimizerOffload:
         piece.grad = None
         self.pieces_stepped += 1
 
-    def _claim_piece_state(self, piece: _Piece) -> None:
+    def _claim_piece_state(self, piece: Piece) -> None:
         """On the stepping thread, before the piece's write is submitted: the store regions of
         state this step created and the evicted placeholders of the whole. Two pieces' writes run
         at once on the workers; claimed there, both could find no region and allocate one each,
         and the state's earlier pieces would be lost in a region no longer used."""
         param = piece.param
-        local = _local(param)
+        local = local_of(param)
         whole = self.optimizer.state.setdefault(param, {})
         for key, value in piece.state.items():
             if not (isinstance(value, torch.Tensor) and value.dim() > 0):
@@ -641,7 +425,7 @@ class _OptimizerOffload:
                 whole[key] = _like(param, empty)
                 self.evicted.add(handle)
 
-    def _write_piece(self, piece: _Piece) -> None:
+    def _write_piece(self, piece: Piece) -> None:
         """Write the piece's shard and state to the stores' free slots; after the last piece
         the parameter's state holds the scalars and (evicted) tensors of the whole."""
         param, start = piece.param, piece.start
@@ -660,7 +444,7 @@ class _OptimizerOffload:
             handle = (id(param), key)
             self.store.write_part(self.regions[handle], value, start * value.element_size())
             if piece.last and handle not in self.evicted:  # it was in memory (stepped in place)
-                self._evict_one(handle, _local(whole[key]))
+                self._evict_one(handle, local_of(whole[key]))
         piece.shard, piece.state = None, {}
 
     def _step_tile(self, tile) -> None:
@@ -695,7 +479,7 @@ class _OptimizerOffload:
         except BaseException:
             self._discard(loaded)
             raise
-        self._commit(loaded)
+        self.commit(loaded)
         for param in loaded:
             self._evict(param)
 
@@ -755,17 +539,17 @@ class _OptimizerOffload:
         evicted, each tensor a store region the load writes (``offload/incoming.py``), instead
         of DCP's step with zero gradients (which reads every parameter and writes every state
         tensor and shard only for the load to overwrite them). Only for the optimizers of
-        ``_ELEMENTWISE`` (state tensors shaped like the parameter): the keys, dtypes and scalars
+        ``ELEMENTWISE`` (state tensors shaped like the parameter): the keys, dtypes and scalars
         come from one step of the same optimizer on a two-element parameter per group and dtype.
         Returns the handles created (``abandon_load`` forgets them if the load fails)."""
         optimizer = self.optimizer
-        if any(optimizer.state.values()) or type(optimizer) not in _ELEMENTWISE:
+        if any(optimizer.state.values()) or type(optimizer) not in ELEMENTWISE:
             return []
         created = []
         for group in optimizer.param_groups:
             probes: dict[tuple, dict[str, Any]] = {}
             for param in group["params"]:
-                local = _local(param)
+                local = local_of(param)
                 kind = (local.dtype, local.device)
                 if kind not in probes:
                     probes[kind] = _fresh_state(type(optimizer), group, local)
@@ -799,7 +583,7 @@ class _OptimizerOffload:
 class _StateValues:
     """The values of one offloaded optimizer state tensor (``access.OffloadedValues``)."""
 
-    def __init__(self, offloaded: _OptimizerOffload, param, key: str, local: torch.Tensor):
+    def __init__(self, offloaded: OptimizerOffload, param, key: str, local: torch.Tensor):
         self.offloaded, self.handle, self.local = offloaded, (id(param), key), local
         self.key = (id(offloaded), self.handle)
         self.name = f"optimizer state {key!r}"
@@ -867,13 +651,6 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 4096) * 4096
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (what the store holds), outside autograd."""
-    if isinstance(tensor, DTensor):
-        return tensor._local_tensor.detach()
-    return tensor.detach()
-
-
 def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as the same kind of tensor as ``template`` (a DTensor with its layout)."""
     if isinstance(template, DTensor):
@@ -886,6 +663,3 @@ def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
             stride=template.stride(),
         )
     return local
-
-
-__all__ = ["offload_optimizer"]
