@@ -162,17 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(table)
-    with open(os.path.join(run_dir, "results.md"), "w") as f:
-        f.write(table)
-    report.write_json(
-        os.path.join(run_dir, "results.json"),
-        {"args": vars(args), "device": device, "torch": torch.__version__, "contenders": rows},
+    data = {"args": vars(args), "device": device, "torch": torch.__version__, "contenders": rows}
+    chart_title = f"{args.model}, {args.world} ranks, {device}"
+    report.write_run(
+        run_dir,
+        ("results.md", table),
+        ("results.json", data),
+        ("chart.png", lambda path: report.write_chart(path, rows, chart_title)),
     )
-    chart = os.path.join(run_dir, "chart.png")
-    why_not = report.write_chart(chart, rows, f"{args.model}, {args.world} ranks, {device}")
-    print(f"wrote {run_dir}/results.md, results.json" + ("" if why_not else ", chart.png"))
-    if why_not:
-        print(f"chart skipped: {why_not}")
     checked = rows.get(REFERENCE, {}).get("status") == "ok"
     verdicts = report.check_losses(rows, REFERENCE).values() if checked else []
     return 1 if any(v["verdict"] == "void" for v in verdicts) else 0  # a wrong result fails

@@ -45,14 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bench.harness.launch import run_ranks
-from bench.harness.models import (
-    PRESETS,
-    TEXT_MODELS,
-    build_model,
-    lm_loss,
-    text_batch,
-    text_corpus,
-)
+from bench.harness.models import PRESETS, TEXT_MODELS, build_model, lm_loss, text_batch, text_corpus
 from bench.harness.paths import results_dir
 
 SETTINGS = {

@@ -27,14 +27,7 @@ import math
 
 import torch
 
-from bench.harness.models import (
-    PRESETS,
-    TEXT_MODELS,
-    build_model,
-    lm_loss,
-    text_batch,
-    text_corpus,
-)
+from bench.harness.models import PRESETS, TEXT_MODELS, build_model, lm_loss, text_batch, text_corpus
 from zero3_compile.collectives import quantize
 from zero3_compile.sharding.spec import spec_of_shape
 

@@ -16,12 +16,12 @@ not the model. The model is built on ``meta`` and initialised shard by shard
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 from bench.harness.launch import run_ranks, set_rank_threads
 from bench.harness.proc import reset_rss_high_water, settle, status_kib
+from bench.harness.report import print_ranks
 
 PRESETS = {
     # Llama-3.2-1B: 1.24B parameters (untied head here: 1.50B)
@@ -120,13 +120,9 @@ def main(argv=None) -> None:
         results = run_ranks(
             _rank, args.world, (cfg,), log_dir=logs, name="rollout_export", timeout_s=3600
         )
-    print(f"rollout export, preset {args.preset}, {args.world} ranks, {args.dtype}, "
-          f"bucket_mb={args.bucket_mb}, rank0_only={args.rank0_only}")  # fmt: skip
-    for out in results:
-        print(json.dumps(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ranks": results}, f, indent=2)
+    title = (f"rollout export, preset {args.preset}, {args.world} ranks, {args.dtype}, "
+             f"bucket_mb={args.bucket_mb}, rank0_only={args.rank0_only}")  # fmt: skip
+    print_ranks(title, results, args)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(text)
-    with open(os.path.join(run_dir, "scaling.md"), "w") as f:
-        f.write(text)
-    report.write_json(
-        os.path.join(run_dir, "scaling.json"),
-        {"args": vars(args), "torch": torch.__version__, "results": results},
+    report.write_run(
+        run_dir,
+        ("scaling.md", text),
+        ("scaling.json", {"args": vars(args), "torch": torch.__version__, "results": results}),
+        ("scaling.png", lambda path: chart(path, results, title)),
     )
-    why_not = chart(os.path.join(run_dir, "scaling.png"), results, title)
-    print(f"wrote {run_dir}/scaling.md, scaling.json" + ("" if why_not else ", scaling.png"))
-    if why_not:
-        print(f"chart skipped: {why_not}")
     return 0
 
 

@@ -18,13 +18,13 @@ copies, as a rollout engine loads them). The last cycle's times are the warm one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from functools import partial
 
 from bench.harness.launch import run_ranks
+from bench.harness.report import print_ranks
 
 PRESETS = {
     # ~125M parameters with the head (GPT-2 small's width and depth, a 32k vocabulary)
@@ -204,12 +204,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as logs:
         results = run_ranks(_rank, args.world, (cfg,), log_dir=logs, name="verl_cycle",
                             timeout_s=3600)  # fmt: skip
-    print(f"verl actor cycle, preset {args.preset}, {args.world} ranks, codegen {args.codegen}")
-    for out in results:
-        print(json.dumps(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ranks": results}, f, indent=2)
+    title = f"verl actor cycle, preset {args.preset}, {args.world} ranks, codegen {args.codegen}"
+    print_ranks(title, results, args)
 
 
 if __name__ == "__main__":

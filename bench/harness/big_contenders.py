@@ -101,6 +101,24 @@ def offload_of(z3, cfg: dict, scratch: str):
     )
 
 
+def _optimizer(z3, model, cfg: dict, scratch: str, in_backward: bool):
+    """AdamW(lr=1e-4), with ``offload="disk"`` wrapped by ``z3.offload_optimizer`` as ``cfg``
+    says (a resumed run steps after the backward: ``in_backward=False``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
+    if cfg["offload"] != "disk":
+        return opt
+    return z3.offload_optimizer(
+        opt,
+        tier="disk",
+        path=scratch,
+        double_buffer=not cfg["single_copy"],
+        tile_mb=cfg.get("tile_mb", 64.0),
+        o_direct=cfg.get("o_direct", False),
+        in_backward=in_backward,
+        threads=cfg.get("io_threads", 4),
+    )
+
+
 def run_zero3(rank, world, cfg: dict):
     import transformers
 
@@ -127,18 +145,7 @@ def run_zero3(rank, world, cfg: dict):
         )
         model.train()
     phases.model = model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
-    if cfg["offload"] == "disk":
-        opt = z3.offload_optimizer(
-            opt,
-            tier="disk",
-            path=scratch,
-            double_buffer=not cfg["single_copy"],
-            tile_mb=cfg.get("tile_mb", 64.0),
-            o_direct=cfg.get("o_direct", False),
-            in_backward=cfg.get("in_backward", False),
-            threads=cfg.get("io_threads", 4),
-        )
+    opt = _optimizer(z3, model, cfg, scratch, in_backward=cfg.get("in_backward", False))
     phases.opt = opt
     if cfg.get("compile_once"):
         z3.compile_once(model.model.layers)
@@ -236,17 +243,7 @@ def run_resume(rank, world, cfg: dict):
         offload=offload, mp_policy=policy,
     )  # fmt: skip
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.get("fused_adamw", False))
-    if cfg["offload"] == "disk":
-        opt = z3.offload_optimizer(
-            opt,
-            tier="disk",
-            path=scratch,
-            double_buffer=not cfg["single_copy"],
-            tile_mb=cfg.get("tile_mb", 64.0),
-            o_direct=cfg.get("o_direct", False),
-            threads=cfg.get("io_threads", 4),
-        )
+    opt = _optimizer(z3, model, cfg, scratch, in_backward=False)
     phases.model, phases.opt = model, opt
     path = os.path.join(cfg["scratch"], "checkpoint")
     with phases.phase("checkpoint load"):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from .comm import zero3_ideal_ring_bytes
@@ -288,6 +290,43 @@ def render_markdown(
 def write_json(path: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=str)
+
+
+def write_run(
+    run_dir: str,
+    text: tuple[str, str],
+    data: tuple[str, dict[str, Any]],
+    chart: tuple[str, Callable[[str], str | None]],
+) -> None:
+    """A run's markdown ``(name, text)``, JSON ``(name, data)`` and chart ``(name, draw)`` into
+    ``run_dir``, then a line saying what was written (``draw(path)`` returns why not, or None).
+
+    Example:
+        write_run(run_dir, ("results.md", table), ("results.json", data),
+                  ("chart.png", lambda path: write_chart(path, rows, title)))
+    """
+    with open(os.path.join(run_dir, text[0]), "w") as f:
+        f.write(text[1])
+    write_json(os.path.join(run_dir, data[0]), data[1])
+    why_not = chart[1](os.path.join(run_dir, chart[0]))
+    print(f"wrote {run_dir}/{text[0]}, {data[0]}" + ("" if why_not else f", {chart[0]}"))
+    if why_not:
+        print(f"chart skipped: {why_not}")
+
+
+def print_ranks(title: str, results: list[dict], args) -> None:
+    """``title``, then each rank's result as one JSON line; all of it (with ``args``) into the
+    file ``args.json`` names, when it names one.
+
+    Example:
+        print_ranks("rollout export, 2 ranks", run_ranks(fn, 2, (cfg,)), args)
+    """
+    print(title)
+    for out in results:
+        print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ranks": results}, f, indent=2)
 
 
 def write_chart(path: str, rows: dict[str, dict], title: str) -> str | None:
