@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..._torch.tracing import profiler_allocation_tag
+from ..._torch.tracing import cpu_allocations
 
 
 def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int, Any]:
@@ -25,18 +25,10 @@ def measure_peak_bytes(fn: Callable[[], Any], device: str = "cpu") -> tuple[int,
         return torch.cuda.max_memory_allocated() - start, result
     from torch.profiler import ProfilerActivity, profile
 
-    allocation = profiler_allocation_tag()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    allocations: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
-        stack.extend(event.children)
     current = peak = 0
-    for _, size in sorted(allocations):
+    for _, size in sorted(cpu_allocations(prof)):
         current += size
         peak = max(peak, current)
     return peak, result
