@@ -422,7 +422,7 @@ class OptimizerOffload:
             if key not in whole:  # evicted from the start: its pieces go to the store only
                 empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
                 empty.untyped_storage().resize_(0)
-                whole[key] = _like(param, empty)
+                whole[key] = with_local(param, empty)
                 self.evicted.add(handle)
 
     def _write_piece(self, piece: Piece) -> None:
@@ -509,7 +509,7 @@ class OptimizerOffload:
                     self.store.read(self.regions[handle], copy)
                 else:
                     copy = local.clone()
-                entry[key] = _like(entry[key], copy)
+                entry[key] = with_local(entry[key], copy)
         return packed
 
     def load_state_dict(self, state_dict) -> None:
@@ -530,7 +530,7 @@ class OptimizerOffload:
                     )
                 empty = torch.empty(written.shape, dtype=written.dtype, device=written.device)
                 empty.untyped_storage().resize_(0)
-                state[key] = _like(value, empty)
+                state[key] = with_local(value, empty)
                 self.evicted.add(handle)
         self.store_all()
 
@@ -564,7 +564,7 @@ class OptimizerOffload:
                         self.regions[handle] = self.store.allocate(nbytes)
                     empty = torch.empty(local.shape, dtype=value.dtype, device=local.device)
                     empty.untyped_storage().resize_(0)
-                    state[key] = _like(param, empty)
+                    state[key] = with_local(param, empty)
                     self.evicted.add(handle)
                     created.append(handle)
         return created
@@ -649,17 +649,3 @@ def _fresh_state(kind: type, group: dict, like: torch.Tensor) -> dict[str, Any]:
 def _aligned(nbytes: int) -> int:
     """Buffers of the staging pool start at 4096-byte boundaries (O_DIRECT, no copy)."""
     return -(-nbytes // 4096) * 4096
-
-
-def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the same kind of tensor as ``template`` (a DTensor with its layout)."""
-    if isinstance(template, DTensor):
-        return DTensor.from_local(
-            local,
-            template.device_mesh,
-            template.placements,
-            run_check=False,
-            shape=template.shape,
-            stride=template.stride(),
-        )
-    return local
