@@ -8,6 +8,7 @@ OFFLOAD 1: parameters and AdamW state on disk, 2: gradient shards too; MIXED 1: 
 allocator between phases (what remains is what the phase holds). Checkpoints: bench/big_model.py.
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -101,17 +102,23 @@ def rank_fn(rank, world, ckpt, offload, mp, trim):
     return out
 
 
-if __name__ == "__main__":
-    ckpt, offload, mp, trim = (
-        sys.argv[1],
-        int(sys.argv[2]),
-        sys.argv[3] == "1",
-        sys.argv[4] == "1",
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("checkpoint", help="a Hugging Face checkpoint folder")
+    parser.add_argument("offload", type=int, choices=[0, 1, 2])
+    parser.add_argument("mixed", choices=["0", "1"], help="1: bf16 compute")
+    parser.add_argument("trim", choices=["0", "1"], help="1: free and trim between phases")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
     res = run_ranks(
         rank_fn,
         2,
-        (ckpt, offload, mp, trim),
+        (args.checkpoint, args.offload, args.mixed == "1", args.trim == "1"),
         log_dir=tempfile.mkdtemp(prefix="zero3-step-memory-logs-"),
         name="probe",
         timeout_s=3000,

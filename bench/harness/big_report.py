@@ -24,6 +24,9 @@ def _busy(record: dict) -> str:
 
 
 def report(args, shape, disk, runs, compute) -> str:
+    """The markdown report of a big_model.py run: ``args`` its arguments, ``disk`` the bandwidth
+    test (None when skipped), ``runs`` each contender's per-rank results, ``compute`` the step
+    time without I/O (None when not measured)."""
     import transformers
 
     config = config_of(shape)
