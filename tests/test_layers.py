@@ -1,6 +1,6 @@
 """The package's layers import only the layers beneath them (read from the source, no imports run).
 
-sharding -> offload -> offload.optim -> runtime -> collectives -> compiler -> frontend -> io -> tools -> rollout
+cluster -> sharding -> offload -> offload.optim -> runtime -> collectives -> compiler -> frontend -> io -> tools -> rollout
 -> hf -> deepspeed -> parallel -> verl (the integrations; rollout sits below hf so that hf may
 export merged weights with it): a module may import its own layer and those before it. So the
 tools and the integrations are never imported by the core, and the compiler never imports the
@@ -22,6 +22,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zero3_compile")
 LAYERS = [
     "_torch",
+    "cluster",
     "sharding",
     "offload",
     "offload.optim",
