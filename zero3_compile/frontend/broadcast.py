@@ -6,9 +6,10 @@ broadcasts over the model's mesh. Tensors travel in buckets of one dtype (one co
 bucket, not per tensor); on a 2-D (hybrid) mesh the source's values cross the rows first (within
 its column), then each row (from its member in the source's column).
 
-Before a broadcast the ranks check that they hold the same list of tensors (``agree_on``): one
-all-gather of a digest of the names, shapes and dtypes, so a rank with another model raises a
-clear error instead of corrupting memory or hanging in a collective of another size.
+Before a broadcast the ranks check that they hold the same list of tensors (``agree_on``): a
+digest of the names, shapes and dtypes compared over the mesh (``cluster.same``), so a rank with
+another model raises a clear error instead of corrupting memory or hanging in a collective of
+another size.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..cluster import same
 from ..runtime.guard import CollectiveMismatchError
 from ..sharding.mesh import DataParallelMesh
 
@@ -41,30 +43,22 @@ def all_reduce_mesh(tensor: torch.Tensor, dp: DataParallelMesh, op=dist.ReduceOp
 
 def agree_on(dp: DataParallelMesh, entries: Sequence[str], what: str) -> None:
     """Raise ``CollectiveMismatchError`` on every rank, naming the ranks that differ, unless every
-    rank of the mesh passed the same ``entries``: each rank's (rank, digest) pair gathered over
-    the mesh, one small all-gather per mesh dimension."""
-    digest = zlib.crc32("\n".join(entries).encode())
-    pairs = torch.tensor([[dist.get_rank(), digest]], dtype=torch.int64, device=mesh_device(dp))
-    for group in (dp.shard_group, dp.replicate_group):
-        if group is None:
-            continue
-        parts = [torch.empty_like(pairs) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, pairs, group=group)
-        pairs = torch.cat(parts)
-    holders: dict[int, list[int]] = {}
-    for rank, value in sorted(pairs.tolist()):
-        holders.setdefault(value, []).append(rank)
-    if len(holders) > 1:
-        lists = sorted(holders.values())
+    rank of the mesh passed the same ``entries``: a digest of them compared over the mesh
+    (``cluster.same``: one small object all-gather per mesh dimension)."""
+
+    def mismatch(holders: list[list[int]]) -> CollectiveMismatchError:
         described = "; ".join(
             " and ".join(f"rank {r}" for r in ranks) + f" hold list {i + 1}"
-            for i, ranks in enumerate(lists)
+            for i, ranks in enumerate(holders)
         )
-        raise CollectiveMismatchError(
+        return CollectiveMismatchError(
             f"zero3: the ranks hold different {what} ({described}; this rank, rank "
             f"{dist.get_rank()}: {len(entries)} entries, first {list(entries[:3])}); every rank "
             "must build the same model and call this with the same arguments"
         )
+
+    digest = zlib.crc32("\n".join(entries).encode())
+    same(digest, over=(dp.shard_group, dp.replicate_group), error=mismatch)
 
 
 def describe_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:

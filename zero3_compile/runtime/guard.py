@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from .._torch.c10d import default_store, gloo_side_group, side_all_gather
+from ..cluster import lost_ranks
+from ..cluster import roll_call as roll_call  # re-exported: examples/train.py imports it here
 from ..sharding.mesh import group_backend
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ _WORDS = _HEADER + _PRESENCE_WORDS
 _MAGIC = 0x2E803
 
 DEFAULT_TIMEOUT_S = 600.0
+_ROLL_CALL_S = 2.0  # how long a check that lost a peer waits for the others' roll call
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -393,8 +396,7 @@ def _one_parameter_shapes(whats: list[str]):
 def _lost_peer_message(
     channel: SideChannel, count: int, label: str, timeout: float, error: Exception
 ) -> str:
-    alive = _responding_ranks(channel, count)
-    silent = [r for r in channel.ranks if r not in alive]
+    silent = lost_ranks(f"zero3/rollcall/{channel.name}/{count}/", channel.ranks, _ROLL_CALL_S)
     who = f"rank(s) {silent}" if silent else "a peer rank"
     text = str(error)
     if any(sign in text for sign in ("Connection closed", "Connection reset", "Broken pipe")):
@@ -409,36 +411,3 @@ def _lost_peer_message(
         f"zero3: rank {dist.get_rank()} waited for every rank at check #{count} "
         f"({label}), but {what} ({type(error).__name__}: {first}). {ending}"
     )
-
-
-def _responding_ranks(channel: SideChannel, count: int, wait_s: float = 2.0) -> set[int]:
-    """Ranks that answer a roll call in the store within ``wait_s`` (best effort). Every rank
-    that lost a peer fails its check at about the same time, so the living answer at once."""
-    me = dist.get_rank()
-    alive = roll_call(f"zero3/rollcall/{channel.name}/{count}/", channel.ranks, wait_s)
-    if alive is None:  # the store is gone with its host: rank 0 unless torchrun's agent hosts it
-        return {r for r in channel.ranks if r != 0} | {me}
-    return alive | {me}
-
-
-def roll_call(
-    prefix: str, ranks, wait_s: float, store: dist.Store | None = None
-) -> set[int] | None:
-    """This rank answers under ``prefix`` in ``store`` (default: the default process group's),
-    then waits up to ``wait_s`` for ``ranks`` to answer; returns those that did, or None when the
-    store cannot be reached (its host died). Used after a failed exchange to name the ranks that
-    are gone."""
-    store = store if store is not None else default_store()
-    ranks = list(ranks)
-    if store is None:
-        return set(ranks)
-    try:
-        store.set(prefix + str(dist.get_rank()), "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            alive = {r for r in ranks if store.check([prefix + str(r)])}
-            if len(alive) == len(ranks) or time.monotonic() >= deadline:
-                return alive
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001
-        return None
