@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 import zero3_compile as z3
-from zero3_compile.io.checkpoint import SafeFileSystemReader, _existing, _swap_in
+from zero3_compile.io.checkpoint import SafeFileSystemReader
+from zero3_compile.io.checkpoint.durable import existing as _existing
+from zero3_compile.io.checkpoint.durable import swap_in as _swap_in
 
 from .dist_utils import run_ranks
 from .models import GPT, gpt_batch, gpt_loss

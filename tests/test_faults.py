@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import zero3_compile as z3
 from zero3_compile.io import checkpoint as ckpt
-from zero3_compile.io.checkpoint import CheckpointCorruptError
+from zero3_compile.io.checkpoint import CheckpointCorruptError, durable, hashing
 
 from .dist_utils import free_port, run_ranks
 from .models import GPT, gpt_batch, gpt_loss
@@ -343,19 +343,19 @@ def _saves(rank, world_size, folder):
     result["b"] = z3.full_state_dict(model)
 
     _train(model, opt, rank, 1)
-    original = ckpt._write_manifest
+    original = durable.write_manifest
 
     def disk_full(*args):
         raise OSError(28, "No space left on device (simulated)")
 
-    ckpt._write_manifest = disk_full
+    durable.write_manifest = disk_full
     try:
         z3.save_checkpoint(os.path.join(folder, "b"), model, opt)
         result["full_disk"] = "saved"
     except RuntimeError as error:
         result["full_disk"] = str(error)
     finally:
-        ckpt._write_manifest = original
+        durable.write_manifest = original
 
     flipped = os.path.join(folder, "a-flipped")
     if rank == 0:
@@ -456,14 +456,14 @@ def test_a_bit_flipped_shard_is_refused_naming_it(saved):
 def _hashing(monkeypatch) -> list[tuple[str, bool, bool]]:
     """(file name, whether its bytes were kept to be loaded, whether it was hashed by the
     load's reader threads rather than before the load) of every file a load hashes."""
-    hashed, original = [], ckpt._hashed_read
+    hashed, original = [], hashing.hashed_read
 
     def counted(path, keep):
         reader = threading.current_thread().name.startswith("zero3-ckpt-read")
         hashed.append((os.path.basename(path), keep, reader))
         return original(path, keep)
 
-    monkeypatch.setattr(ckpt, "_hashed_read", counted)
+    monkeypatch.setattr(hashing, "hashed_read", counted)
     return hashed
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import zero3_compile as z3
 from zero3_compile.compiler.memory import memory_timeline
-from zero3_compile.io import checkpoint as checkpoint_io
+from zero3_compile.io.checkpoint import hashing, reader
 from zero3_compile.offload import grads as grads_module
 from zero3_compile.offload import store as store_module
 from zero3_compile.offload.grads import spooled
@@ -250,32 +250,32 @@ def checkpoint_roundtrip(rank, world, folder):
     twin_opt = _optimizer("adamw", twin.parameters())
     _train(rank, world, model, opt, "eager", 2, False)
     _train(rank, world, twin, twin_opt, "eager", 2, False)
-    digest, read_back = checkpoint_io._digest, []
+    digest, read_back = hashing.file_digest, []
 
     def counted(path):  # what sealing reads back to hash it
         read_back.append(os.path.basename(path))
         return digest(path)
 
-    checkpoint_io._digest = counted
+    hashing.file_digest = counted
     try:
         z3.save_checkpoint(folder, model, opt)
     finally:
-        checkpoint_io._digest = digest
+        hashing.file_digest = digest
     torch.manual_seed(123)
     fresh = GPT()
     z3.shard(fresh, offload=z3.Offload(params="disk"), sync_timeout_s=120)
     fresh_opt = z3.offload_optimizer(_optimizer("adamw", fresh.parameters()), tile_mb=0.05)
-    hashed_read, load_hashed = checkpoint_io._hashed_read, []
+    hashed_read, load_hashed = hashing.hashed_read, []
 
     def hashed(path, keep):  # what the load hashes, and whether it loads what it hashed
         load_hashed.append((os.path.basename(path), keep))
         return hashed_read(path, keep)
 
-    checkpoint_io._hashed_read = hashed
+    hashing.hashed_read = hashed
     try:
         z3.load_checkpoint(folder, fresh, fresh_opt)
     finally:
-        checkpoint_io._hashed_read = hashed_read
+        hashing.hashed_read = hashed_read
     losses = _train(rank, world, fresh, fresh_opt, "eager", 2, False, seed0=2)
     twin_losses = _train(rank, world, twin, twin_opt, "eager", 2, False, seed0=2)
     a, b = z3.full_state_dict(fresh), z3.full_state_dict(twin)
@@ -1058,7 +1058,7 @@ def test_a_checkpoint_load_holds_no_file_whole():
     saved, loaded = _run_then_resume(_one_big_tensor, timeout=300)
     for s, r in zip(saved, loaded):
         assert torch.equal(s["weight"], r["weight"])
-        assert r["largest_file"] > max(r["shard_bytes"], checkpoint_io._READ_WHOLE_MAX)
+        assert r["largest_file"] > max(r["shard_bytes"], reader.READ_WHOLE_MAX)
         assert r["peak"] <= 2.5 * r["shard_bytes"], (r["peak"] / 2**20, r["shard_bytes"] / 2**20)
 
 
