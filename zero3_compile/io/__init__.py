@@ -1,2 +1,2 @@
-"""Getting parameters in and out: sharded checkpoints (``checkpoint.py``), full state dicts
+"""Getting parameters in and out: sharded checkpoints (``checkpoint/``), full state dicts
 (``state_dict.py``) and initialising models built on ``meta`` (``materialize.py``)."""
