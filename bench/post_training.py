@@ -12,7 +12,8 @@ base's bf16 shards stay in the offload files (read from disk when gathered, neve
 it is never updated), ``peft.get_peft_model`` adds LoRA adapters (``--lora-rank``, every linear
 layer of the blocks) that live in memory as fp32 shards with their AdamW state; the model is
 compiled with the zero3 backend and trained on random tokens. ``full``: the same checkpoint
-trained whole, fp32 master shards with bf16 compute (``z3.MixedPrecision``); with ``--offload
+trained whole, fp32 master shards (computed in ``--compute``, a ``z3.MixedPrecision``: bf16 with
+CUDA, fp32 on a CPU whose bf16 matmul is slow; the LoRA base is then upcast); with ``--offload
 disk`` (the default) parameters and AdamW state on disk (``z3.offload_optimizer``), with
 ``none`` in memory. Per phase and rank: wall time, the peak resident memory (``VmHWM`` reset at
 the start of the phase), the bytes the offload stores read and wrote. Beside the steady step:
@@ -74,16 +75,20 @@ def run_training(rank: int, world: int, cfg: dict) -> dict:
     scratch = os.path.join(cfg["scratch"], f"{cfg['tag']}")
     offload = z3.Offload(params="disk", path=scratch) if cfg["offload"] == "disk" else None
     with phases.phase("load"):
-        if lora:  # the base in bf16 as stored, computed in bf16
+        compute = getattr(torch, cfg["compute"])
+        if lora:  # the base in bf16 as stored, gathered and computed in --compute
+            policy = None if compute == torch.bfloat16 else z3.MixedPrecision(compute)
             model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, cfg["checkpoint"],
-                                         dtype=torch.bfloat16, offload=offload)  # fmt: skip
+                                         dtype=torch.bfloat16, offload=offload,
+                                         mp_policy=policy)  # fmt: skip
             adapters = peft.LoraConfig(r=cfg["lora_rank"], lora_alpha=2 * cfg["lora_rank"],
                                        target_modules=LORA_TARGETS, lora_dropout=0.0)  # fmt: skip
             model = peft.get_peft_model(model, adapters)
-        else:  # fp32 master shards, bf16 gathers and compute
+        else:  # fp32 master shards, gathers and compute in --compute
+            policy = None if compute == torch.float32 else z3.MixedPrecision(compute, torch.float32)
             model = z3hf.from_pretrained(
                 transformers.AutoModelForCausalLM, cfg["checkpoint"], dtype=torch.float32,
-                offload=offload, mp_policy=z3.MixedPrecision(torch.bfloat16, torch.float32),
+                offload=offload, mp_policy=policy,
             )  # fmt: skip
         model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -153,6 +158,7 @@ def train_report(args, shape: Shape, ranks: list[dict], disk: dict | None,
         "mode": args.mode,
         "model": args.model,
         "world": args.world,
+        "compute": args.compute,
         "params": ranks[0]["params"],
         "trainable_per_rank": [r["trainable_local"] for r in ranks],
         "step_s": step_s,
@@ -183,7 +189,7 @@ def main_training(args, logs: str) -> dict:
     base = dict(
         mode=args.mode, checkpoint=checkpoint, scratch=scratch, offload=args.offload,
         steps=args.steps, seq=args.seq, vocab=shape.vocab, codegen=args.codegen,
-        lora_rank=args.lora_rank, tag="run",
+        lora_rank=args.lora_rank, compute=args.compute, tag="run",
     )  # fmt: skip
     ranks = run_ranks(run_training, args.world, (base,), log_dir=logs, name=args.mode,
                       timeout_s=7200)  # fmt: skip
@@ -327,12 +333,19 @@ def parse_args(argv=None):
     parser.add_argument("--completion", type=int, default=64, help="grpo: max new tokens")
     parser.add_argument("--prompt", type=int, default=32, help="grpo: prompt words")
     parser.add_argument("--codegen", default="inductor", choices=("inductor", "eager"))
+    parser.add_argument("--compute", choices=("bfloat16", "float32"), default=None,
+                        help="lora/full: the dtype gathered and computed in; default bfloat16 "
+                        "with CUDA, float32 on CPU (without AVX512-BF16/AMX, torch's bf16 "
+                        "matmul takes a reference path: 0.2 GFLOPS against 78 in fp32 measured "
+                        "on the 2-core EPYC of bench/RESULTS.md)")  # fmt: skip
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "zero3-bench"))
     parser.add_argument("--scratch", default=None, help="offload files (default: a temp dir)")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
     if args.model is None:
         args.model = {"lora": "llama-8b", "full": "llama-1b", "grpo": "llama-125m"}[args.mode]
+    if args.compute is None:
+        args.compute = "bfloat16" if torch.cuda.is_available() else "float32"
     return args
 
 
