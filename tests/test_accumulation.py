@@ -99,17 +99,17 @@ def _accumulate_as_on_torch_2_11(rank, world_size, model_name, codegen, sync_eac
     """``_accumulate`` with the shard reads torch 2.11 needs (``_torch.dtensor.local_shard``: its
     ``DTensor.to_local()`` turns a missing gradient into zeros, which AccumulateGrad then adds to
     the pending gradient of sync-off micro-batches), forced on whatever torch runs."""
-    from zero3_compile._torch import dtensor
-    from zero3_compile.compiler import backend
+    from zero3_compile._torch import dtensor, dynamo
 
     rewritten = []
-    probe, rewrite = dtensor.to_local_keeps_missing_gradients, backend.rewrite_to_local
+    # the pipeline's rewrite_to_local pass calls dynamo.rewrite_to_local
+    probe, rewrite = dtensor.to_local_keeps_missing_gradients, dynamo.rewrite_to_local
     dtensor.to_local_keeps_missing_gradients = lambda: False
-    backend.rewrite_to_local = lambda *args: rewritten.append(rewrite(*args))
+    dynamo.rewrite_to_local = lambda *args: rewritten.append(rewrite(*args))
     try:
         out = _accumulate(rank, world_size, model_name, codegen, sync_each_step)
     finally:
-        dtensor.to_local_keeps_missing_gradients, backend.rewrite_to_local = probe, rewrite
+        dtensor.to_local_keeps_missing_gradients, dynamo.rewrite_to_local = probe, rewrite
     return {**out, "rewritten": rewritten}
 
 

@@ -10,6 +10,7 @@ the parameter it reads (``compiler/passes/bind.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 
@@ -367,9 +368,14 @@ def test_without_recomputing_region_saves_the_partition_check_refuses(fake_pg, m
     from zero3_compile.compiler.passes.regions import recompute_region_saves
     from zero3_compile.compiler.passes.verify import ScheduleError
 
-    joint = tuple(p for p in pipeline.JOINT_PASSES if p is not recompute_region_saves)
-    assert len(joint) == len(pipeline.JOINT_PASSES) - 1
-    monkeypatch.setitem(pipeline._PASSES_BY_KIND, "joint", joint)
+    stages = tuple(
+        dataclasses.replace(s, passes=tuple(p for p in s.passes if p is not recompute_region_saves))
+        for s in pipeline.PIPELINE
+    )
+    assert len(pipeline.passes_for("joint")) - 1 == sum(
+        len(s.passes) for s in stages if s.graph == "joint"
+    )
+    monkeypatch.setattr(pipeline, "PIPELINE", stages)
     with pytest.raises(Exception) as failure:
         _regions_step()
     error = failure.value

@@ -1,25 +1,25 @@
-"""The ``zero3`` dynamo backend: AOTAutograd wiring, the pass pipeline, codegen.
+"""The ``zero3`` dynamo backend: wires the stages of ``pipeline.PIPELINE`` into AOTAutograd
+and codegen.
 
 ```
-dynamo graph -> dynamo passes: refuse in-place parameter writes, hoist shard reads, dedupe
-             -> aot_autograd (joint graph) -> Zero3Partitioner: dedupe, tag, min-cut partition
-             -> forward / backward graphs  -> pipeline: buckets, lower, prefetch, reduce-scatters,
-                                              cross-rank guard
+dynamo graph -> run_pipeline: pre-dynamo and dynamo stages
+             -> aot_autograd (joint graph) -> Zero3Partitioner: run_pipeline: joint, memory
+                                              budget and partition stages
+             -> forward / backward graphs  -> run_pipeline: forward or backward stage
              -> codegen: inductor (compile_fx_inner) or eager (FX)
+             -> generated code             -> run_pipeline: post-codegen stage (Inductor)
 ```
 Both codegens share the partitioner and the passes; inductor's own ``compile_fx`` drives the
 inductor path (decompositions, joint-graph passes, cudagraph and stride bookkeeping), with our
 partitioner plugged in through its ``custom_partitioner_fn`` hook and our passes run on each
 graph before it reaches Inductor. The callable handed back to dynamo is a ``GatedCall``
-(``runtime.py``).
+(``runtime/gate.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import hashlib
 import logging
 import os
 import time
@@ -28,15 +28,13 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.fx as fx
-import torch.nn as nn
 
-from .._torch.aot_autograd import autograd_cache_disabled, min_cut_partition, order_saved_values
+from .._torch.aot_autograd import autograd_cache_disabled
 from .._torch.c10d import backend_of
 from .._torch.dynamo import (
     aot_autograd_backend,
     dynamo_compile_count,
     register_dynamo_backend,
-    rewrite_to_local,
 )
 from .._torch.fx import boxed_codegen
 from .._torch.higher_order import region_schemas_cached
@@ -49,30 +47,17 @@ from .._torch.inductor import (
 from ..runtime.gate import GatedCall
 from ..runtime.guard import DEFAULT_TIMEOUT_S
 from ..sharding.nodes import across_nodes_group, node_group, ranks_per_node, reduction_node_size
-from ..sharding.state import is_sharded, state_of
+from ..sharding.state import is_sharded
 from . import recording
-from .context import CompileContext
+from .context import CompileContext, Generated, GraphInputs, Partition, source_hash
 from .graph_facts import calls_regions, detachable_inputs, output_dependencies
-from .graph_utils import copy_graph_module, output_node, save_waited
-from .node_keys import NUM_USER_OUTPUTS
+from .graph_utils import copy_graph_module, output_node
 from .options import Options
-from .passes import check_no_gathered_saved, lift_region_gathers
-from .passes.bind import bind_markers
 from .pipeline import Dumper, run_pipeline
-from .planner import plan_budget
-from .recording import GraphRecord
-from .secondary import keep_secondary_shards
-from .signature import (
-    ScheduledOrder,
-    check_generated_order,
-    collective_signature,
-    describe_signature,
-)
+from .recording import GraphRecord, timed
+from .signature import ScheduledOrder, collective_signature, describe_signature
 
 log = logging.getLogger(__name__)
-
-# the whole package: any change of ours invalidates cached compiled code
-_SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zero3_backend(
@@ -91,9 +76,10 @@ def zero3_backend(
     """
     start = time.perf_counter()
     opts = Options.from_dict(options)
-    _check_ready(gm, example_inputs)
+    inputs = GraphInputs.of(gm, example_inputs)
+    _check_ready(inputs)
     _warn_at_recompile_limit(gm)
-    roots = _runtimes(gm, example_inputs)
+    roots = _runtimes(inputs)
     for root in roots:
         root.graphs_compiled += 1
     if opts.sync_timeout_s is None:  # the model's own (shard(sync_timeout_s=...)), in the graphs
@@ -102,17 +88,12 @@ def zero3_backend(
         opts = dataclasses.replace(opts, sync_timeout_s=timeout)
     recording.compiling()
     ctx = CompileContext(opts, recorders=recording.listening())
-    with _timed("dynamo graph passes"):
-        lift_region_gathers(gm)  # nested compile regions: markers to the calling graph
-        bind_markers(gm, example_inputs)
-        run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}"))
-        gm.recompile()
+    run_pipeline(gm, ctx.passes("dynamo", f"{ctx.index}", inputs=inputs))
     # computed here, not from the joint graph: a cache hit of AOTAutograd never traces that
+    # (the 2.11 rewrite, the dynamo stage's last pass, changes neither: same flow, same meta)
     ctx.gradient_dependencies.update(output_dependencies(gm))
     ctx.detachable_inputs = detachable_inputs(gm)
-    ctx.group_names = _group_names(gm, example_inputs, opts)
-    # torch 2.11: shards whose gradient is missing stay without one (not zeros)
-    rewrite_to_local(gm, _source_hash())
+    ctx.group_names = _group_names(inputs, opts)
     outputs = output_node(gm.graph).args[0]
     num_outputs = len(outputs) if isinstance(outputs, (list, tuple)) else 1
     # nested compile regions: torch traces a body again at every call unless cached
@@ -130,29 +111,13 @@ def zero3_backend(
     return GatedCall(compiled, ctx, num_outputs)
 
 
-@contextlib.contextmanager
-def _timed(phase: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        recording.add_compile_time(phase, time.perf_counter() - start)
-
-
-def _sharded_states(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list:
-    candidates = list(example_inputs) + [p for _, p in gm.named_parameters()]
-    return [s for s in (state_of(t) for t in candidates) if s is not None]
-
-
-def _group_names(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options
-) -> tuple[str, ...]:
+def _group_names(inputs: GraphInputs, opts: Options) -> tuple[str, ...]:
     """The process groups the graphs' collectives will name; hpZ's node groups are created here
     (by every rank of a shard group, at the same point of the same compile)."""
     names = set()
     hpz = opts.secondary_shard is not None and opts.reshard_after_forward
     size = ranks_per_node(opts.secondary_shard) if hpz else 0
-    for state in _sharded_states(gm, example_inputs):
+    for state in inputs.states:
         spec = state.spec
         names.update(n for n in (spec.group, spec.replicate_group) if n)
         if hpz and spec.world_size > 1:
@@ -196,20 +161,19 @@ def _warn_at_recompile_limit(gm: fx.GraphModule) -> None:
     )
 
 
-def _runtimes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list:
+def _runtimes(inputs: GraphInputs) -> list:
     """The runtimes of the sharded models whose parameters the graph reads."""
-    roots = {id(s.root): s.root for s in _sharded_states(gm, example_inputs) if s.root is not None}
+    roots = {id(s.root): s.root for s in inputs.states if s.root is not None}
     return list(roots.values())
 
 
-def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def _check_ready(inputs: GraphInputs) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "zero3: torch.distributed is not initialised; call torch.distributed.init_process_group() "
             "and zero3_compile.shard(model) before torch.compile(model, backend='zero3')"
         )
-    candidates = list(example_inputs) + [p for _, p in gm.named_parameters()]
-    params = [t for t in candidates if isinstance(t, nn.Parameter)]
+    params = inputs.parameters
     plain = [p for p in params if not is_sharded(p)]
     if not plain:
         return
@@ -235,31 +199,19 @@ def _check_ready(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
 
 
 class Zero3Partitioner(partitioner_base()):
-    """Joint-graph passes, then the min-cut partitioner; checks nothing gathered is saved."""
+    """The partition function AOTAutograd calls: the joint, memory budget and partition stages
+    of the pipeline on the joint graph; returns the forward and backward graphs."""
 
     def __init__(self, ctx: CompileContext):
         self.ctx = ctx
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        with _timed("joint graph passes"):
-            run_pipeline(gm, self.ctx.passes("joint", f"{self.ctx.index}"))
         kwargs.setdefault("compiler", "inductor")
-        options = self.ctx.options
-        kept: frozenset[str] = frozenset()
-        if options.memory_budget_bytes is not None and options.reshard_after_forward:
-            with _timed("memory budget planner"):
-                plan = plan_budget(gm, joint_inputs, kwargs, self.ctx.passes("joint"))
-            self.ctx.plans.append(plan)
-            kept = plan.kept_names
-        with _timed("partitioner (min-cut)"):
-            fw_module, bw_module = min_cut_partition(gm, joint_inputs, **kwargs)
-            order_saved_values(fw_module, bw_module, kwargs["num_fwd_outputs"])
-            save_waited(fw_module, kwargs["num_fwd_outputs"])
-        fw_module.meta[NUM_USER_OUTPUTS] = kwargs["num_fwd_outputs"]
-        if options.reshard_after_forward:
-            check_no_gathered_saved(fw_module, kwargs["num_fwd_outputs"], kept)
-            keep_secondary_shards(fw_module, bw_module, kwargs["num_fwd_outputs"], options)
-        return fw_module, bw_module
+        partition = Partition(joint_inputs, kwargs)
+        run_pipeline(gm, self.ctx.passes("joint", f"{self.ctx.index}", partition=partition))
+        if partition.plan is not None:
+            self.ctx.plans.append(partition.plan)
+        return partition.forward, partition.backward
 
     def __reduce__(self):
         # Inductor's FX graph cache pickles its config, this object included, into the cache key:
@@ -280,20 +232,9 @@ class Zero3Partitioner(partitioner_base()):
         groups = ",".join(f"{name}:{backend_of(name)}" for name in self.ctx.group_names)
         reduction = os.environ.get("ZERO3_GLOO_REDUCE_SCATTER", "")
         return (
-            f"{_source_hash()}-{options!r}{budget}-rank{dist.get_rank()}-groups{groups}"
+            f"{source_hash()}-{options!r}{budget}-rank{dist.get_rank()}-groups{groups}"
             f"-rs{reduction}"
         )
-
-
-@functools.cache
-def _source_hash() -> str:
-    digest = hashlib.sha256()
-    for folder, _, files in sorted(os.walk(_SOURCE_DIR)):
-        for name in sorted(files):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    digest.update(f.read())
-    return digest.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -302,8 +243,7 @@ def _source_hash() -> str:
 def _schedule(gm: fx.GraphModule, ctx: CompileContext, kind: str) -> GraphRecord:
     graph_id = ctx.next_graph_id(kind)
     pass_ctx = ctx.passes(kind, graph_id)
-    with _timed("forward/backward graph passes"):
-        run_pipeline(gm, pass_ctx)
+    run_pipeline(gm, pass_ctx)
     recorders = ctx.recorders + [r for r in recording.listening() if r not in ctx.recorders]
     # recorded as scheduled: Inductor's own passes rewrite the graph it is handed in place
     copying = recorders and ctx.options.codegen == "inductor"
@@ -374,13 +314,14 @@ def _compile_inductor(
 
     def inner_compile(graph_module: fx.GraphModule, inputs, **kwargs):
         record = _schedule(graph_module, ctx, _graph_kind(kwargs))
+        # read before codegen: Inductor rewrites the graph it is handed in place
         scheduled = ScheduledOrder.of(graph_module.graph)
-        with _timed("Inductor on the scheduled graphs"):
+        with timed("Inductor on the scheduled graphs"):
             compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         record.source_code = getattr(compiled, "source_code", None)
-        check_generated_order(
-            scheduled, record.source_code, f"{record.kind} graph {record.graph_id}"
-        )
+        generated = Generated(scheduled, record.source_code)
+        pass_ctx = ctx.passes(record.kind, record.graph_id, generated=generated)
+        run_pipeline(graph_module, pass_ctx, graph="generated")
         return compiled
 
     patches = inductor_config_patches(mode)

@@ -233,34 +233,6 @@ def copy_graph_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node,
     return copy, {new: old for old, new in value_map.items()}
 
 
-def save_waited(fw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
-    """Save a foreign collective's waited value for backward instead of its raw output.
-
-    The partitioner may save the raw output of a collective it found in the joint graph (tensor
-    parallelism's sequence-parallel all-gather): the backward then reads a tensor whose wait sits
-    in another graph. ``wait_tensor`` returns its input, so saving the wait is the same value,
-    and every collective keeps its wait as the one reader of its raw output. A no-op without
-    such outputs.
-    """
-    from .._torch.c10d import COLLECTIVES, WAIT
-
-    graph = fw_module.graph
-    output = output_node(graph)
-    outputs = list(output.args[0])
-    changed = False
-    for i in range(num_fwd_outputs, len(outputs)):
-        node = outputs[i]
-        if isinstance(node, fx.Node) and node.target in COLLECTIVES:
-            waits = [u for u in node.users if u.target is WAIT]
-            if waits:
-                outputs[i] = waits[0]
-                changed = True
-    if changed:
-        output.args = (tuple(outputs), *output.args[1:])
-        graph.lint()
-        fw_module.recompile()
-
-
 # the metadata of a node's value (dynamo's example value, the traced value, its tensor meta)
 VALUE_META = ("example_value", "val", "tensor_meta")
 

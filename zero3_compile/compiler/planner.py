@@ -29,15 +29,13 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .._torch.aot_autograd import min_cut_partition, order_saved_values
 from .._torch.c10d import backend_of
 from ..collectives.ops import REDUCE_GRAD, UNSHARD
-from .context import PassContext
+from .context import Partition, PassContext
 from .graph_facts import shard_inputs
-from .graph_utils import copy_graph_module, save_waited
+from .graph_utils import copy_graph_module
 from .markers import ReduceGradCall, UnshardCall
 from .memory import memory_timeline
-from .secondary import keep_secondary_shards
 
 log = logging.getLogger(__name__)
 
@@ -178,21 +176,26 @@ def _first_backward_position(joint: fx.GraphModule, order: dict[fx.Node, int]) -
 
 def estimate_step_peak(joint, joint_inputs, kwargs, ctx: PassContext, keep: set[int]) -> int:
     """The step's transient peak for a schedule that keeps the markers ``keep`` gathered:
-    partition a copy of the joint graph, schedule copies of its graphs, read their liveness."""
-    from .pipeline import BACKWARD_PASSES, FORWARD_PASSES, run_pipeline
+    partition a copy of the joint graph, schedule copies of its graphs, read their liveness.
+    The pipeline's own partition, forward and backward stages, less the partition check (the
+    copy's kept markers are not the plan's yet) and the cross-rank guard."""
+    from .passes import check_no_gathered_saved, insert_guard
+    from .pipeline import passes_for, run_pipeline, stage_named
 
     copy, mapping = copy_graph_module(joint)
     for node, original in mapping.items():
         if original.target is UNSHARD and id(original) in keep:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    fw, bw = min_cut_partition(copy, joint_inputs, **kwargs)
-    order_saved_values(fw, bw, kwargs["num_fwd_outputs"])
-    save_waited(fw, kwargs["num_fwd_outputs"])
-    keep_secondary_shards(fw, bw, kwargs["num_fwd_outputs"], ctx.options)
     quiet = dataclasses.replace(ctx.options, verify=False, dump_dir=None)
-    scheduling = [p for p in FORWARD_PASSES if p.__name__ != "insert_guard"]
+    partition = Partition(joint_inputs, kwargs)
+    partitioning = [p for p in stage_named("partition").passes if p is not check_no_gathered_saved]
+    run_pipeline(
+        copy, PassContext(options=quiet, graph_kind="joint", partition=partition), partitioning
+    )
+    fw, bw = partition.forward, partition.backward
+    scheduling = [p for p in passes_for("forward") if p is not insert_guard]
     run_pipeline(fw, PassContext(options=quiet, graph_kind="forward"), scheduling)
-    scheduling = [p for p in BACKWARD_PASSES if p.__name__ != "insert_guard"]
+    scheduling = [p for p in passes_for("backward") if p is not insert_guard]
     run_pipeline(bw, PassContext(options=quiet, graph_kind="backward"), scheduling)
     gloo = _uses_gloo(fw) or _uses_gloo(bw)
     forward = memory_timeline(fw, gloo_temporaries=gloo)

@@ -11,6 +11,7 @@ for record in records:          # one GraphRecord per compiled forward / backwar
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -80,6 +81,16 @@ def report_json(record: GraphRecord) -> str | None:
 
 def add_compile_time(phase: str, seconds: float) -> None:
     _compile_seconds[phase] = _compile_seconds.get(phase, 0.0) + seconds
+
+
+@contextlib.contextmanager
+def timed(phase: str) -> Iterator[None]:
+    """Add the seconds the ``with`` block takes to ``phase`` (``compile_stats``)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        add_compile_time(phase, time.perf_counter() - start)
 
 
 def compile_stats() -> dict[str, float]:

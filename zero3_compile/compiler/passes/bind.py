@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -12,19 +10,21 @@ import torch.fx as fx
 from ...collectives.ops import is_unshard
 from ...sharding.spec import UNBOUND_ID
 from ...sharding.state import state_of
+from ..context import PassContext
 from ..graph_facts import shard_source
 from ..markers import UnshardCall
 
 
-def bind_markers(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def bind_markers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Give every unbound ``unshard`` marker of a dynamo graph its parameter's id and spec.
 
     The getters of identical blocks trace to identical graphs (``frontend/classes.py``): their
     markers hold ``UNBOUND_ID`` and the spec literal without the name, so dynamo compiles a
     block once and runs the compiled code for every block of its kind. This runs before any
-    pass, in each call of the backend: the shard of each marker is read (through ``to_local``
-    and views) from a graph input, whose example value is the sharded parameter, and the
-    marker gets that parameter's ``param_id`` and full spec literal. The code compiled from the
+    other pass but the lifting of region reads, in each call of the backend: the shard of each
+    marker is read (through ``to_local`` and views) from a graph input, whose example value
+    (``ctx.inputs``) is the sharded parameter, and the marker gets that parameter's
+    ``param_id`` and full spec literal. The code compiled from the
     bound graph gathers whatever shards it is called with; the names serve the reports, the
     buckets' blocks and the cross-rank check's labels (those of the block compiled first).
 
@@ -32,6 +32,7 @@ def bind_markers(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     error naming the parameter's shape, never a silent guess). The marker's spec agrees with the
     parameter's but for the name.
     """
+    example_inputs = ctx.inputs.example_inputs
     inputs = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
 
     def state_at(source: fx.Node):

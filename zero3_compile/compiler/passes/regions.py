@@ -27,7 +27,7 @@ from ..graph_facts import (
 from ..graph_utils import value_meta
 
 
-def lift_region_gathers(gm: fx.GraphModule) -> None:
+def lift_region_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """Move each region body's parameter reads (``p.to_local()`` and its ``unshard`` marker)
     to the calling dynamo graph, before every call of the body; the body takes the full
     parameter instead of the ``DTensor``.

@@ -1,17 +1,15 @@
-"""Invariants of a scheduled graph, checked after every pass, and of the partition."""
+"""Invariants of a scheduled graph, checked after every pass (the partition's own check:
+``partition.check_no_gathered_saved``)."""
 
 from __future__ import annotations
-
-import operator
 
 import torch.fx as fx
 
 from ..._torch.c10d import COLLECTIVES, WAIT
 from ...collectives.ops import GUARD, HANDOFF_GATHER, REDUCE_GRAD, RELOAD, TAKE_GATHER, UNSHARD
 from ..context import PassContext
-from ..graph_facts import param_derived, region_calls, region_param_outputs
+from ..graph_facts import param_derived
 from ..graph_utils import node_order, output_node
-from ..markers import UnshardCall
 from ..node_keys import ROLE
 
 
@@ -38,7 +36,7 @@ def verify(
     - every gathered buffer of the backward graph dies in it: no gathered parameter, nor anything
       computed from gathered parameters alone, is an output. Codegen (FX and Inductor alike) frees
       a value right after its last use, so this is what "released after last use" requires. (The
-      forward graph's saved outputs: ``check_no_gathered_saved``.)
+      forward graph's saved outputs: ``partition.check_no_gathered_saved``.)
     """
     graph = gm.graph
     graph.lint()
@@ -106,34 +104,3 @@ def _check_foreign(node: fx.Node, order: dict) -> None:
         raise ScheduleError(f"zero3: a wait precedes the collective {node.name}")
     if not waits and not any(u.op == "output" for u in node.users):
         raise ScheduleError(f"zero3: collective {node.name} is never waited for")
-
-
-def check_no_gathered_saved(
-    fw_module: fx.GraphModule, num_fwd_outputs: int, kept: frozenset[str] = frozenset()
-) -> None:
-    """Fail if the partitioner saved a gathered parameter (or a function of gathered parameters
-    alone) for backward: with ``reshard_after_forward`` backward must gather again, except for
-    the parameters the memory budget keeps gathered (``kept``: their names)."""
-    graph = fw_module.graph
-    derived = param_derived(graph)
-    outputs = output_node(graph).args[0]
-    saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
-
-    def planned(node: fx.Node) -> bool:
-        return node.target is UNSHARD and UnshardCall.of(node).spec.fqn in kept
-
-    gathered = [n.name for n in saved if n in derived and not planned(n)]
-    # a region's output computed from gathered parameters alone (``regions.py``)
-    from_regions = {call: region_param_outputs(call, derived) for call in region_calls(graph)}
-    gathered += [
-        n.name
-        for n in saved
-        if n.op == "call_function"
-        and n.target is operator.getitem
-        and n.args[0] in from_regions
-        and n.args[1] in from_regions[n.args[0]]
-    ]
-    if gathered:
-        raise ScheduleError(
-            f"zero3: the partitioner saved gathered parameters for backward: {gathered}"
-        )
