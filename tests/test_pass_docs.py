@@ -111,6 +111,38 @@ def test_docstring_pictures_are_what_the_pass_does(index):
     assert docstring_block(graph_pass, "after") == after, f"after:\n{after}"
 
 
+def test_the_pipeline_declares_every_stage_in_order_each_pass_with_its_invariant():
+    """``compiler/pipeline.py``'s one list: every compile stage from the dynamo graph to the
+    generated code, each pass of the one signature stating its invariant."""
+    from zero3_compile.compiler.pipeline import PIPELINE, describe_pipeline, passes_for
+
+    assert [(s.name, s.graph) for s in PIPELINE] == [
+        ("pre-dynamo", "dynamo"),
+        ("dynamo", "dynamo"),
+        ("joint", "joint"),
+        ("memory budget", "joint"),
+        ("partition", "joint"),
+        ("forward", "forward"),
+        ("backward", "backward"),
+        ("post-codegen", "generated"),
+    ]
+    assert [p.__name__ for p in passes_for("joint")][-6:] == [
+        "plan_memory_budget",
+        "min_cut_partition",
+        "order_saved_values",
+        "save_waited",
+        "check_no_gathered_saved",
+        "keep_secondary_shards",
+    ]
+    assert passes_for("inference") == passes_for("forward")
+    text = describe_pipeline()
+    for stage in PIPELINE:
+        assert f"{stage.name} ({stage.graph} graph)" in text
+        for graph_pass in stage.passes:
+            assert "**Invariant**" in (graph_pass.__doc__ or ""), graph_pass.__name__
+            assert f"  {graph_pass.__name__}: " in text
+
+
 if __name__ == "__main__":  # print the pictures, to paste into the docstrings
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
