@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import cluster
+from ..cluster import Failure
 from . import grads, params
 from .store import DiskStore, HostStore, OffloadError
 
@@ -143,11 +145,17 @@ def register_loaded(state) -> None:
 
 
 def agree(group, failure: Exception | None, what: str = "set up its offload store") -> None:
-    """Every rank of ``group`` raises if one failed (``failure`` on this rank)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, group=group)
-        if failure is None and int(flag) > 0:
-            raise OffloadError(0, f"zero3: another rank could not {what} (see its error)")
-    if failure is not None:
-        raise failure
+    """Every rank of ``group`` raises if one failed (``failure`` on this rank): the rank that
+    failed its own error, the others an ``OffloadError`` naming each failed rank and its reason
+    (``cluster.agree``)."""
+
+    def error(failures: list[Failure]) -> OffloadError:
+        listed = "; ".join(map(str, failures))
+        return OffloadError(0, f"zero3: another rank could not {what}: {listed}")
+
+    try:
+        cluster.agree(failure=failure, over=group, error=error, what=what)
+    except OffloadError:
+        if failure is not None:
+            raise failure from None
+        raise
