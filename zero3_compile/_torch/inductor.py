@@ -113,8 +113,8 @@ def _only_a_cache_key(*key):
 # The shape of Inductor's generated Python wrapper (2.11-2.14): a ``def call(args)`` whose
 # statements call extern kernels as ``bufN = torch.ops.<namespace>.<op>.default(...)``, wait with
 # ``torch.ops._c10d_functional.wait_tensor.default(bufN)``, rename outputs as ``bufM = bufN`` and
-# check sizes with ``assert_size_stride(bufN, (sizes...), ...)``. Inductor re-inplaces
-# all_reduce: a statement on the buffer it reduces, waited by that name.
+# check sizes with ``assert_size_stride(bufN, (sizes...), ...)`` (2.14: ``assert_tensor_metadata``).
+# Inductor re-inplaces all_reduce: a statement on the buffer it reduces, waited by that name.
 
 _CALL = re.compile(
     r"^\s*(\w+) = torch\.ops\._c10d_functional\."
@@ -134,7 +134,9 @@ _KINDS = {
 }
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)")
 _ALIAS = re.compile(r"^\s*(\w+) = (\w+)\s*$")  # an extern kernel's output renamed: buf2 = buf1
-_SIZE = re.compile(r"^\s*assert_size_stride\((\w+), \(([\d, ]*)\)")
+# the size check: assert_size_stride(buf, (sizes), (strides)) through 2.13,
+# assert_tensor_metadata(buf, (sizes), (strides), dtype, ...) in 2.14
+_SIZE = re.compile(r"^\s*assert_(?:size_stride|tensor_metadata)\((\w+), \(([\d, ]*)\)")
 _GUARD = re.compile(r"torch\.ops\.zero3\.guard\.default\(")
 
 
@@ -168,8 +170,9 @@ def generated_events(source_code: str) -> list[tuple[str, int]]:
 def generated_collective_order(source_code: str) -> list[tuple[str, int | None]]:
     """(kind, output elements or None) of each collective in Inductor's generated wrapper code.
 
-    The output size comes from Inductor's ``assert_size_stride`` line (None when size asserts are
-    off). Kinds use the names of ``compiler.signature.collective_signature``.
+    The output size comes from Inductor's ``assert_size_stride`` line (2.14:
+    ``assert_tensor_metadata``; None when size asserts are off). Kinds use the names of
+    ``compiler.signature.collective_signature``.
     """
     order: list[tuple[str, int | None]] = []
     pending: dict[str, int] = {}
