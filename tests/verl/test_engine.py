@@ -22,7 +22,9 @@ from tests.verl import tiny
 ROWS, PROMPT, RESPONSE = 8, 5, 6
 
 
-def _configs(folder: str, *, lora: bool = False, compile_model: bool = False):
+def _configs(
+    folder: str, *, lora: bool = False, compile_model: bool = False, remove_padding: bool = False
+):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
 
@@ -31,8 +33,8 @@ def _configs(folder: str, *, lora: bool = False, compile_model: bool = False):
     model = HFModelConfig(
         path=folder,
         override_config={"attn_implementation": "sdpa"},
-        use_remove_padding=False,
-        enable_gradient_checkpointing=False,
+        use_remove_padding=remove_padding,
+        enable_gradient_checkpointing=compile_model,  # verl's PPO settings, compiled
         lora_rank=4 if lora else 0,
         lora_alpha=8,
         target_modules=["q_proj", "v_proj"],
@@ -49,10 +51,10 @@ def _configs(folder: str, *, lora: bool = False, compile_model: bool = False):
     return model, engine, optimizer, CheckpointConfig()
 
 
-def _engine(folder: str, *, lora: bool = False, initialize: bool = True):
+def _engine(folder: str, *, lora: bool = False, initialize: bool = True, **configs):
     from verl.workers.engine import EngineRegistry
 
-    model, engine, optimizer, checkpoint = _configs(folder, lora=lora)
+    model, engine, optimizer, checkpoint = _configs(folder, lora=lora, **configs)
     model.model_type = "language_model"
     built = EngineRegistry.new(
         model_type="language_model",
@@ -67,7 +69,7 @@ def _engine(folder: str, *, lora: bool = False, initialize: bool = True):
     return built
 
 
-def _ppo_batch(seed: int, vocab: int):
+def _ppo_batch(seed: int, vocab: int, remove_padding: bool = False):
     """A PPO actor batch as verl's trainer makes it (left-padded prompts, right-padded
     responses, then ``left_right_2_no_padding``), with its meta data."""
     from verl.utils import tensordict_utils as tu
@@ -99,7 +101,7 @@ def _ppo_batch(seed: int, vocab: int):
     tu.assign_non_tensor(
         data,
         temperature=1.0,
-        use_remove_padding=False,
+        use_remove_padding=remove_padding,
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=2,
         global_batch_size=ROWS,
@@ -195,8 +197,9 @@ def _scenario(rank, world, folder, checkpoint):
     vocab = len(tiny.tokenizer())
     loss_fn = _actor_loss()
     batch = _ppo_batch(0, vocab)
+    out = {"from_pretrained": _sharded_load(folder)}
     engine = _engine(folder)
-    out = {}
+    out["engine_loaded"] = _same_values(_full(engine), tiny_state(folder))
 
     # train_batch against single-process eager
     timings = [("start", time.perf_counter())]
@@ -268,6 +271,8 @@ def _scenario(rank, world, folder, checkpoint):
     timings.append(("rest", time.perf_counter()))
     out["lora"] = _lora(folder, rank, world, batch2, loss_fn)
     timings.append(("lora", time.perf_counter()))
+    out["compiles"] = _compiles(folder, rank, world, loss_fn, vocab)
+    timings.append(("compiles", time.perf_counter()))
     out["timings"] = [(b[0], round(b[1] - a[1], 1)) for a, b in zip(timings, timings[1:])]
     del z3
     return out
@@ -329,6 +334,54 @@ def _lora(folder, rank, world, batch, loss_fn) -> dict:
     return out
 
 
+def _compiles(folder, rank, world, loss_fn, vocab) -> dict:
+    """A compiled engine with gradient checkpointing (verl's PPO settings) over PPO batches
+    whose micro-batches all have other lengths, padded (each micro-batch padded to its longest
+    row) and packed (``use_remove_padding``: the micro-batch's tokens in one row): dynamo graphs
+    compiled per batch, and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    found = {}
+    for packed in (False, True):
+        engine = _engine(folder, compile_model=True, remove_padding=packed)
+        graphs, lengths = [], []
+        breaks = sum(counters["graph_break"].values())
+        for seed in range(3):
+            share = _rank_share(_ppo_batch(seed, vocab, remove_padding=packed), rank, world)
+            lengths.append(sorted({int(n) for n in share["input_ids"].offsets().diff()}))
+            before = counters["stats"]["unique_graphs"]
+            with engine.train_mode():
+                engine.train_batch(share, loss_function=loss_fn)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+        found["packed" if packed else "padded"] = {
+            "graphs": graphs,
+            "breaks": sum(counters["graph_break"].values()) - breaks,
+            "lengths": lengths,
+        }
+        del engine
+    return found
+
+
+def _sharded_load(folder: str) -> dict:
+    """``z3hf.from_pretrained`` under verl's transformers (5.10: its loader reads and assigns
+    whole tensors): every rank keeps its rows only, the values are the checkpoint's."""
+    import transformers
+
+    import zero3_compile as z3
+    from zero3_compile import hf as z3hf
+
+    model = z3hf.from_pretrained(
+        transformers.AutoModelForCausalLM, folder, torch_dtype=torch.float32
+    )
+    rows = all(p.to_local().shape[0] < p.shape[0] for p in model.parameters() if p.shape[0] > 1)
+    return {**_same_values(z3.full_state_dict(model), tiny_state(folder)), "own_rows": rows}
+
+
+def _same_values(got: dict, expected: dict) -> dict:
+    wrong = [k for k in expected if not torch.equal(got[k], expected[k])]
+    return {"names": sorted(got) == sorted(expected), "wrong": wrong[:3]}
+
+
 def _optimizer_locals(engine) -> dict:
     """This rank's optimizer state tensors, by (parameter name, key)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -363,6 +416,24 @@ def test_train_batch_with_the_actor_loss_matches_single_process_eager(results):
         # AdamW's first step divides each gradient by its own magnitude: where one is near its
         # epsilon, rounding in the sum over ranks shows more (measured 6e-6)
         assert out["step_error"] < 2e-5, out["step_error"]
+
+
+def test_from_pretrained_loads_sharded_under_verls_transformers(results):
+    # transformers 5.10's loader assigns whole tensors: each rank keeps its rows of them (it
+    # raised "rank 1 holds rows of 'lm_head.weight' of shape (23, 32); the loader assigned
+    # (47, 32)"); the engine loads the same way
+    for out in results:
+        assert out["from_pretrained"] == {"names": True, "wrong": [], "own_rows": True}
+        assert out["engine_loaded"] == {"names": True, "wrong": []}
+
+
+def test_compiled_engine_compiles_a_bounded_number_of_graphs(results):
+    # micro-batches of new lengths in every batch: dynamo's first graph is static, the second
+    # marks the sequence dimension dynamic; after that a new length compiles nothing
+    for out in results:
+        for layout, found in out["compiles"].items():
+            assert found["graphs"][-1] == 0, (layout, found)
+            assert sum(found["graphs"]) <= 6, (layout, found)
 
 
 def test_get_per_tensor_param_is_the_state_dict(results):

@@ -2,13 +2,16 @@
 
 Hugging Face's own ``from_pretrained`` runs (configuration, dtype, key renames, the weight
 converters of the installed transformers such as stacked MoE experts, tied weights, the loading
-report); two of its steps are wrapped for the duration of the call:
+report); some of its steps are wrapped for the duration of the call:
 
 - ``_load_pretrained_model``: the model it built on the ``meta`` device is sharded first
   (``z3.shard``); then its loader runs with every parameter in ``ShardState.LOADING``. It sees
   ``DTensor`` parameters (this rank's rows), so for each tensor it reads only those rows from the
   safetensors files (``DtensorShardOperation``, shard-on-read through ``get_slice``), and the
   values it assigns are adopted into the shards (``frontend/loading.py``).
+  transformers before 5.11 (verl 0.9 pins 5.10) read and assign whole tensors: each one is cut
+  to this rank's rows as it is assigned (``_own_rows``), read one at a time, so a rank holds its
+  shards plus one whole tensor.
 - ``_initialize_missing_keys``: parameters the checkpoint does not hold are initialised by the
   model's own ``_init_weights``, module by module on full-size temporaries (as
   ``z3.materialize``), from rank 0's random state on every rank: the same values as a
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..frontend.loading import adopt, loading, sharded_states
 from ..frontend.shard import shard
@@ -144,10 +148,11 @@ def _refuse(kwargs: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _serial_reads(shard_kwargs: dict) -> Iterator[None]:
-    """With offload, tensors are read one at a time (Hugging Face's thread pool would hold all of
-    this rank's rows in memory before the first one reaches the store)."""
+    """With offload, or with a loader that reads whole tensors (``_own_rows``), tensors are read
+    one at a time: Hugging Face's thread pool would hold all of this rank's rows (or all whole
+    tensors: the model) in memory before the first one reaches its shard or the store."""
     offload = shard_kwargs.get("offload")
-    if offload is None or getattr(offload, "params", None) is None:
+    if (offload is None or getattr(offload, "params", None) is None) and _reads_rows():
         yield
         return
     previous = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
@@ -186,13 +191,60 @@ def _wrapped_steps() -> Iterator[None]:
             return initialize(self, is_quantized)
         return _initialize_missing(self)
 
+    from transformers import core_model_loading
+
+    set_param = core_model_loading.set_param_for_module
+
+    def set_param_for_module(model, target_name, value, *args, **kwargs):
+        load = _current[0] if _current else None
+        if load is not None and load.model is model:
+            value = _own_rows(model, target_name, value)
+        return set_param(model, target_name, value, *args, **kwargs)
+
     PreTrainedModel._load_pretrained_model = staticmethod(load_pretrained_model)
     PreTrainedModel._initialize_missing_keys = initialize_missing_keys
+    core_model_loading.set_param_for_module = set_param_for_module
     try:
         yield
     finally:
         PreTrainedModel._load_pretrained_model = load_weights
         PreTrainedModel._initialize_missing_keys = initialize
+        core_model_loading.set_param_for_module = set_param
+
+
+def _reads_rows() -> bool:
+    """Whether the installed transformers' loader reads only a ``DTensor`` parameter's rows
+    (5.11 and later); older ones read whole tensors."""
+    from transformers import core_model_loading
+
+    return hasattr(core_model_loading, "DtensorShardOperation")
+
+
+def _own_rows(model, target_name: str, value):
+    """What the loader assigns to ``target_name``, as this rank's rows of its parameter.
+
+    transformers 5.11 and later read a ``DTensor`` parameter's rows only and assign them
+    (unchanged here). Older loaders (5.10, verl 0.9's pin) know no ``DTensor`` parameters: they
+    read the whole tensor and assign it, checking it against the full shape. A plain tensor of
+    the parameter's full shape is therefore cut to this rank's rows (a copy: the whole tensor is
+    freed once assigned) and handed on as the parameter's ``DTensor``, which passes both
+    loaders' shape check and is adopted into the shard like 5.11's."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    owner, _, attr = target_name.rpartition(".")
+    try:
+        module = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return value  # not the model's: the loader reports it
+    state = module_state(module)
+    param_state = state.params.get(attr) if state is not None else None
+    if param_state is None or param_state.layout is not None:  # a buffer; tensor parallel
+        return value
+    spec, rank = param_state.spec, param_state.rank
+    if tuple(value.shape) != spec.shape or tuple(value.shape) == spec.local_shape(rank):
+        return value  # this rank's rows already, or a mismatch the loader reports
+    rows = spec.chunk(value.detach(), rank)
+    return param_state.root.dp.wrap(rows, spec)
 
 
 def _load_weights(load: _Load, model, read, state_dict, checkpoint_files):
@@ -292,7 +344,9 @@ def _initialize_missing(model) -> None:
     group = module_state(model).root.dp.shard_group
     guard = initialization.guard_torch_init_functions()  # torch.nn.init respects loaded flags
     with _rank0_random_state(group), torch.no_grad(), guard:
-        _visit(model, model._initialize_weights, model.is_custom_code(), PreTrainedModel)
+        # the flag the model's initialisers take: is_custom_code() (5.11+), is_remote_code() before
+        custom = getattr(model, "is_custom_code", None) or model.is_remote_code
+        _visit(model, model._initialize_weights, custom(), PreTrainedModel)
 
 
 def _visit(module: nn.Module, init, is_custom_code: bool, pretrained_type) -> None:

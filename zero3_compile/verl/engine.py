@@ -6,9 +6,10 @@ model built and kept by zero3 instead of FSDP: the batch preparation, the micro-
 log-prob / entropy / value computation and the loss functions are verl's, unchanged. What
 differs:
 
-- the model: read by Hugging Face's ``from_pretrained`` and sharded (``z3.shard``), peft's
-  LoRA applied to the sharded model (its adapters are sharded on assignment), ``model.compile(backend="zero3", options=zero3_options)``;
-  mixed precision from ``mixed_precision`` (default bf16 compute, fp32 reduction, like FSDP's);
+- the model: sharded as Hugging Face's ``from_pretrained`` reads it (``z3hf.from_pretrained``),
+  peft's LoRA applied to the sharded model (its adapters are sharded on assignment),
+  ``model.compile(backend="zero3", options=zero3_options)``; mixed precision from
+  ``mixed_precision`` (default bf16 compute, fp32 reduction, like FSDP's);
 - gradient accumulation without a reduce-scatter per micro-batch
   (``use_no_sync_for_gradient_accumulation``): ``z3.set_requires_gradient_sync``;
 - ``get_per_tensor_param``: ``zero3_compile.rollout.iter_full_parameters`` (one tensor gathered
@@ -101,7 +102,7 @@ class _Zero3Methods:
         from verl.utils.model import get_hf_auto_model_class
         from verl.utils.torch_dtypes import PrecisionType
 
-        from .. import shard
+        from ..hf import from_pretrained
 
         dtype = self.engine_config.model_dtype
         if dtype is None:
@@ -116,18 +117,18 @@ class _Zero3Methods:
             model_class = transformers.AutoModelForTokenClassification
         else:
             raise ValueError(f"zero3: unknown model_type {self.model_config.model_type!r}")
-        # verl 0.9 pins transformers < 5.11, whose loader assigns whole tensors: z3hf's
-        # from_pretrained (each rank reading its rows) needs a newer one. Each rank reads the
-        # checkpoint whole, then keeps its shards.
+        # sharded as it loads: no rank holds more than its shards and one whole tensor
+        # (transformers 5.10, verl's pin, reads whole tensors; each is cut to its rows)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            module = model_class.from_pretrained(
+            module = from_pretrained(
+                model_class,
                 self.model_config.local_path,
                 torch_dtype=dtype,
                 config=hf_config,
                 trust_remote_code=self.model_config.trust_remote_code,
+                **self._shard_arguments(),
             )
-        shard(module, **self._shard_arguments())
         fused = self.model_config.fused_kernel_options
         apply_monkey_patch(
             model=module,
@@ -151,8 +152,14 @@ class _Zero3Methods:
         from .. import MixedPrecision, Offload
 
         mixed = self.engine_config.mixed_precision or {}
-        param_dtype = PrecisionType.to_dtype(mixed.get("param_dtype", "bf16"))
+        # bf16 compute by default, as verl's FSDP engine; fp32 on a CPU, where bf16 matmuls
+        # take torch's reference kernels unless the CPU has AMX or AVX512-BF16 (0.2 against
+        # 78 GFLOPS in fp32 on the AVX2 machine of bench/RESULTS.md)
+        on_cpu = get_device_name() == "cpu"
+        param_dtype = PrecisionType.to_dtype(mixed.get("param_dtype", "fp32" if on_cpu else "bf16"))
         reduce_dtype = PrecisionType.to_dtype(mixed.get("reduce_dtype", "fp32"))
+        if on_cpu and param_dtype in (torch.bfloat16, torch.float16):
+            _warn_half_on_cpu(param_dtype)
         self._autocast_dtype = param_dtype  # verl's forward_step autocasts unless fp32
         self.scaler = None
         if param_dtype == torch.float16:
@@ -365,6 +372,18 @@ class _Zero3Methods:
             old = self._saved_paths.pop(0)
             if dist.get_rank() == 0:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _warn_half_on_cpu(dtype: torch.dtype) -> None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if dist.get_rank() == 0 and "AMX" not in capability.upper():
+        log.warning(
+            "zero3: mixed_precision.param_dtype=%s on a CPU (%s): without AMX or AVX512-BF16 "
+            "torch computes its matmuls with reference kernels, two orders of magnitude slower "
+            "than fp32; set engine.mixed_precision.param_dtype=fp32 unless the CPU has them",
+            dtype,
+            capability,
+        )
 
 
 def _plain(value):
