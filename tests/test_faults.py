@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import zero3_compile as z3
 from zero3_compile.io import checkpoint as ckpt
-from zero3_compile.io.checkpoint import CheckpointCorruptError, durable, hashing
+from zero3_compile.io.checkpoint import CheckpointCorruptError, durable, hashing, reader
 
 from .dist_utils import free_port, run_ranks
 from .models import GPT, gpt_batch, gpt_loss
@@ -488,9 +488,9 @@ def test_a_flipped_bit_loads_nothing_however_it_is_checked(saved, monkeypatch, h
     path = _copy(folder, f"flipped-{how}")
     _flip_a_bit(os.path.join(path, "__1_0.distcp"))
     if how == "checked-first":
-        monkeypatch.setattr(ckpt, "_STAGED_MAX", 0)
+        monkeypatch.setattr(reader, "STAGED_MAX", 0)
     if how == "beside-the-parse":
-        monkeypatch.setattr(ckpt, "_READ_WHOLE_MAX", 0)
+        monkeypatch.setattr(reader, "READ_WHOLE_MAX", 0)
     hashed = _hashing(monkeypatch)
     _refused(path, "'__1_0.distcp' does not match the sha256")
     expected = {
@@ -512,7 +512,7 @@ def test_a_shard_that_cannot_be_parsed_is_refused_as_damaged(saved, monkeypatch,
     with open(shard, "r+b") as f:
         f.write(b"\0" * os.path.getsize(shard))
     if beside:
-        monkeypatch.setattr(ckpt, "_READ_WHOLE_MAX", 0)
+        monkeypatch.setattr(reader, "READ_WHOLE_MAX", 0)
     _refused(path, "'__1_0.distcp' does not match the sha256")
     with pytest.raises(CheckpointCorruptError) as caught:
         z3.load_checkpoint(path, GPT())

@@ -29,7 +29,7 @@ from .metadata import SafeFileSystemReader
 
 # a load checks each file as it reads it when it can hold the values it loads into memory twice;
 # else it checks every file first, and reads them again to load them
-_STAGED_MAX = 256 << 20
+STAGED_MAX = 256 << 20
 # a file up to this size is read whole into memory (hashed on the way) and checked before DCP
 # parses it; a larger one is hashed on a thread beside the parse and checked when DCP closes it
 READ_WHOLE_MAX = 64 << 20
@@ -251,7 +251,7 @@ def verifies_on_read(state: dict[str, Any]) -> bool:
         if isinstance(value, torch.Tensor) and incoming(value) is None:
             local = value._local_tensor if isinstance(value, DTensor) else value
             in_memory += local.numel() * local.element_size()
-    return all(agree(in_memory <= _STAGED_MAX))
+    return all(agree(in_memory <= STAGED_MAX))
 
 
 def raise_if_corrupt(error: BaseException, path: str) -> None:
