@@ -41,9 +41,12 @@ def iter_full_parameters(
     dtype, then cast. ``device`` moves each tensor there (e.g. ``"cpu"``).
 
     Memory: the shards, plus the tensor being handed out, plus what the caller still holds. With
-    ``bucket_mb=0`` each tensor is its own all-gather; a larger ``bucket_mb`` gathers
-    consecutive tensors up to that size in one collective (fewer, larger messages) and holds
-    that bucket until its last tensor is handed out. Do not train while iterating.
+    ``bucket_mb=0`` each tensor is its own all-gather, handed out as gathered (a view of the
+    collective's buffer, no copy); a larger ``bucket_mb`` gathers consecutive tensors up to that
+    size in one collective (fewer, larger messages), holds that bucket until its last tensor is
+    handed out and copies each tensor out of it. Every tensor handed out is memory of its own
+    that the export never writes or reuses afterwards: a consumer may keep it (what it keeps
+    adds to the memory above) or change it in place. Do not train while iterating.
 
     ```python
     from zero3_compile.rollout import iter_full_parameters

@@ -3,9 +3,12 @@
 ``GatheredBucket(states, dtypes)`` all-gathers the shards of ``states`` with one collective per
 scheme (the eager scheme the model's getters use, after the same cross-rank check), in the
 parameters' own dtype (fp32 master weights stay fp32) or cast to ``dtype`` before the collective
-(half the bytes on the wire for bf16). ``full(i)`` then gives member ``i``'s full tensor: the
-gathered buffer itself for a bucket of one, else a copy of its rows made when asked, so a bucket
-holds its gathered buffer plus the one member being handed out, never every member twice.
+(half the bytes on the wire for bf16). On gloo the gather is written in place instead (each
+rank's slot broadcast from it: ``_gather_by_broadcasts``), since gloo's all-gather holds the
+gathered bytes twice. ``full(i)`` then gives member ``i``'s full tensor: a view of the gathered
+buffer for a bucket of one, else a copy of its rows made when asked, so a bucket holds its
+gathered buffer plus the one member being handed out, never every member twice. A buffer is
+never written again once its tensors are handed out: the caller may keep them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import zlib
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
+from .._torch.c10d import backend_of, resolve_group
 from ..collectives import arithmetic
 from ..collectives.schemes import EAGER, AllGather, gather_scheme, run_gather
 from ..offload.params import readable
@@ -50,13 +55,18 @@ class GatheredBucket:
                 code = zlib.crc32(repr([s.param_id for s in states]).encode()) & 0x7FFFFFFF
                 label = f"of {len(states)} parameters for export ({states[0].fqn!r}, ...)"
                 check_eager(specs[0], guard.KIND_EAGER_GATHER, code, label)
-            if len(group) == 1 or not isinstance(scheme, AllGather):
+            if type(scheme) is AllGather and backend_of(scheme.group) == "gloo":
+                gathered = _gather_by_broadcasts(shards, specs, scheme)
+            elif len(group) == 1 or not isinstance(scheme, AllGather):
                 for i, full in zip(group, run_gather(scheme, EAGER, shards, specs)):
                     self._fulls[i] = full
                 return
-            # one collective, the members' rows copied out one at a time when asked
-            payloads = scheme.copy_in(EAGER, shards, specs)
-            (gathered,) = scheme.wait(EAGER, scheme.issue(EAGER, payloads))
+            else:  # one collective, the members' rows copied out one at a time when asked
+                payloads = scheme.copy_in(EAGER, shards, specs)
+                (gathered,) = scheme.wait(EAGER, scheme.issue(EAGER, payloads))
+        if len(group) == 1:  # the buffer is the parameter (padding at its tail): a view of it
+            self._fulls[group[0]] = arithmetic.gathered_rows(gathered, specs[0])
+            return
         for i in group:
             self._flat[i] = (gathered, group)
 
@@ -72,6 +82,27 @@ class GatheredBucket:
         if full.numel() and full.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
             full = full.clone()  # one rank: the shard itself, uncast
         return full
+
+
+def _gather_by_broadcasts(shards, specs, scheme: AllGather) -> torch.Tensor:
+    """The gathered bucket ``(N * bucket_numel,)`` written in place: this rank's shards cast into
+    its own slot, then each rank's slot broadcast from it. gloo's all-gather receives into a
+    buffer of its own and copies that into the output, so it holds the gathered bytes twice
+    (and the copy-in a third part); this holds them once. Same bytes on the wire, N collectives."""
+    group = resolve_group(scheme.group)
+    world, rank = scheme.world_size, group.rank()
+    sizes = arithmetic.sizes(specs)
+    gathered = torch.empty(world * sum(sizes), dtype=scheme.dtype, device=shards[0].device)
+    slots = gathered.view(world, sum(sizes))  # (N, bucket_numel)
+    offset = 0
+    for shard, size in zip(shards, sizes):
+        part = slots[rank].narrow(0, offset, size)
+        part[: shard.numel()].copy_(shard.reshape(-1))
+        part[shard.numel() :].zero_()
+        offset += size
+    for source in range(world):
+        dist.broadcast(slots[source], src=dist.get_global_rank(group, source), group=group)
+    return gathered
 
 
 def _wire_dtype(shard_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype | None:
