@@ -665,7 +665,7 @@ opt.step()
 off = opt._zero3_offload
 from zero3_compile.offload import host_cache
 print(json.dumps({"rise": status("VmHWM") - before, "pieces": off.pieces_stepped,
-                  "slots": off._slots, "piece": 48 * 2**20 * 4 // (off.pieces_stepped // 2),
+                  "slots": off.slots, "piece": 48 * 2**20 * 4 // (off.pieces_stepped // 2),
                   "mapped": mapped, "cache": host_cache.stats()}))
 """
 
