@@ -205,14 +205,6 @@ def _memory(rank, world):
     }
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _resident(rank, world):
     """Resident memory's peak above the start while one 64 MiB tensor is exported and dropped,
     collectives' own buffers included (gloo's all-gather receives into a buffer of its own, then
@@ -220,6 +212,7 @@ def _resident(rank, world):
     import gc
 
     import zero3_compile as z3
+    from tests.test_hf import _rss_kib
     from zero3_compile.rollout import iter_full_parameters
 
     model = torch.nn.Linear(4096, 4096, bias=False)  # 64 MiB in fp32
@@ -234,11 +227,11 @@ def _resident(rank, world):
                 f.write("5")  # VmHWM restarts from the current resident size
         except OSError:
             return {"skipped": "clear_refs refused"}
-        before = _status_kib("VmRSS") * 1024
+        before = _rss_kib("VmRSS") * 1024
         for _, tensor in iter_full_parameters(model):
             tensor.sum()
             del tensor
-        peaks.append((_status_kib("VmHWM") * 1024 - before) / size)
+        peaks.append((_rss_kib("VmHWM") * 1024 - before) / size)
     return {"peak_over_largest": peaks[-1]}
 
 
