@@ -50,11 +50,12 @@ def _config(args, checkpoint: str, shape) -> dict:
 
 def load(rank, world, cfg: dict) -> dict:
     """New processes: the model and optimizer as a resumed job builds them, then the load."""
+    import torch.distributed.checkpoint as dcp
     import transformers
 
     import zero3_compile as z3
     from zero3_compile import hf as z3hf
-    from zero3_compile.io import checkpoint as checkpoint_io
+    from zero3_compile.io.checkpoint import api as checkpoint_api
 
     set_rank_threads(world)
     dist.init_process_group("gloo")
@@ -82,9 +83,9 @@ def load(rank, world, cfg: dict) -> dict:
 
     # the separate calls a version of load_checkpoint makes, where it makes them
     for name in ("verify_checkpoint", "set_state_dict"):
-        if hasattr(checkpoint_io, name):
-            setattr(checkpoint_io, name, timed(name, getattr(checkpoint_io, name)))
-    checkpoint_io.dcp.load = timed("dcp.load", checkpoint_io.dcp.load)
+        if hasattr(checkpoint_api, name):
+            setattr(checkpoint_api, name, timed(name, getattr(checkpoint_api, name)))
+    dcp.load = timed("dcp.load", dcp.load)  # the module load_checkpoint calls it through
     if rank == 0:
         drop_page_cache()
     dist.barrier()
