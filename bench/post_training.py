@@ -264,7 +264,8 @@ def run_grpo(rank: int, world: int, cfg: dict) -> dict:
         )  # fmt: skip
         for _ in range(64)
     ]
-    model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, cfg["checkpoint"])
+    model = z3hf.from_pretrained(transformers.AutoModelForCausalLM, cfg["checkpoint"],
+                                 dtype=getattr(torch, cfg["compute"]))  # fmt: skip
     args = trl.GRPOConfig(
         output_dir=os.path.join(cfg["scratch"], cfg["tag"]), per_device_train_batch_size=cfg["rows"],
         num_generations=cfg["generations"], max_completion_length=cfg["completion"],
@@ -297,13 +298,13 @@ def main_grpo(args, logs: str) -> dict:
     folder = write_checkpoint(os.path.join(args.cache, args.model), shape)
     write_tokenizer(folder, shape.vocab)
     scratch = tempfile.mkdtemp(prefix="post-training-grpo-", dir=args.scratch)
-    summary = {"mode": "grpo", "model": args.model, "world": args.world}
+    summary = {"mode": "grpo", "model": args.model, "world": args.world, "compute": args.compute}
     for gather in (True, False):
         name = "gathered" if gather else "streamed"
         cfg = dict(
             checkpoint=folder, scratch=scratch, tag=name, gather=gather, vocab=shape.vocab,
             rows=args.rows, generations=args.generations, completion=args.completion,
-            prompt=args.prompt, cycles=args.cycles, codegen=args.codegen,
+            prompt=args.prompt, cycles=args.cycles, codegen=args.codegen, compute=args.compute,
         )  # fmt: skip
         ranks = run_ranks(run_grpo, args.world, (cfg,), log_dir=logs, name=f"grpo-{name}",
                           timeout_s=7200)  # fmt: skip
@@ -334,7 +335,7 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", type=int, default=32, help="grpo: prompt words")
     parser.add_argument("--codegen", default="inductor", choices=("inductor", "eager"))
     parser.add_argument("--compute", choices=("bfloat16", "float32"), default=None,
-                        help="lora/full: the dtype gathered and computed in; default bfloat16 "
+                        help="the dtype gathered and computed in; default bfloat16 "
                         "with CUDA, float32 on CPU (without AVX512-BF16/AMX, torch's bf16 "
                         "matmul takes a reference path: 0.2 GFLOPS against 78 in fp32 measured "
                         "on the 2-core EPYC of bench/RESULTS.md)")  # fmt: skip
