@@ -5,10 +5,10 @@ single-process eager; every failure shrunk to a minimal reproducer and printed.
     python -m bench.fuzz_structures --cases 40 --seed 7 --worlds 2 --inductor 0
     python -m bench.fuzz_structures --replay '<a case JSON printed by a failure>'
 
-Cases come from ``tests/structure_cases.py`` (the hypothesis strategy the suite's fixed-seed
-slice, ``tests/test_structure_fuzz.py``, draws from too): world sizes in turn from ``--worlds``,
+Cases come from ``tests/support/structure_cases.py`` (the hypothesis strategy the suite's fixed-seed
+slice, ``tests/distributed/test_structure_fuzz.py``, draws from too): world sizes in turn from ``--worlds``,
 ``--inductor`` of them compiled with Inductor, the rest with the eager codegen. Each world size
-runs in one process launch (``tests/structure_runner.py``'s ``RankPool``), restarted only after a
+runs in one process launch (``tests/support/structure_runner.py``'s ``RankPool``), restarted only after a
 case that raised or hung. Per case one line: index, world, codegen, status, seconds. At the end:
 the figures (cases, passed, failed, invalid: cases eager itself refuses, time, launches), then
 for each kind of failure (``signature``) its first case shrunk (``--shrink-budget`` runs at most)
@@ -24,9 +24,9 @@ import json
 import sys
 import time
 
-from tests.structure_cases import EXCLUDED, Case, draw_cases, source
-from tests.structure_runner import CaseRunner, signature
-from tests.structure_shrink import minimize
+from tests.support.structure_cases import EXCLUDED, Case, draw_cases, source
+from tests.support.structure_runner import CaseRunner, signature
+from tests.support.structure_shrink import minimize
 
 
 def _describe(result: dict) -> str:

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zero3_compile as z3  # noqa: E402
-from tests.models import GPT, GPTConfig  # noqa: E402
+from tests.support.models import GPT, GPTConfig  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32)
 BATCH, SEQ = 4, 16  # per rank and micro-batch

@@ -5,7 +5,7 @@ fields, types and defaults from the dataclass, the meaning of each from its docs
 ``Attributes:`` section); ``<!-- generated: deepspeed-keys -->`` the DeepSpeed config keys that
 ``zero3_compile.hf.translate_deepspeed_config`` understands and what each becomes (read from
 ``zero3_compile/hf/deepspeed_config.py``). Nothing here is written twice: change the code, the
-page follows. ``tests/test_docs.py`` imports these functions too.
+page follows. ``tests/distributed/test_docs.py`` imports these functions too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model presets, a Llama-style model, synthetic data and the loss every contender trains on.
 
-The GPT is the test suite's nanoGPT (tests/models.py, tied embeddings); the Llama-style model
+The GPT is the test suite's nanoGPT (tests/support/models.py, tied embeddings); the Llama-style model
 (RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, untied head) lives here.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import GPT, GPTConfig
+from tests.support.models import GPT, GPTConfig
 
 
 @dataclass(frozen=True)

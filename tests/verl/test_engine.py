@@ -16,7 +16,7 @@ from functools import partial
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 from tests.verl import tiny
 
 ROWS, PROMPT, RESPONSE = 8, 5, 6

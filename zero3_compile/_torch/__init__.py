@@ -1,10 +1,10 @@
 """Every private or version-dependent torch API this package uses, split by torch subsystem.
 
 Nothing else lives here, and nothing outside this package names a private torch attribute or
-module (``tests/test_layers.py`` checks it). Supported: torch 2.11 through 2.14 (``pyproject.toml``
+module (``tests/unit/test_layers.py`` checks it). Supported: torch 2.11 through 2.14 (``pyproject.toml``
 pins ``<2.15`` until a newer release passes the suite). Each entry says why it is needed, the
 public alternative if there is one, and the versions it was checked on; each has a probe in
-``tests/test_torch_probes.py`` that states the assumption and names the entry when a torch
+``tests/unit/test_torch_probes.py`` that states the assumption and names the entry when a torch
 breaks it.
 
 - ``c10d``: the graph-level functional collectives (the stable layer: their Python wrappers were

@@ -223,7 +223,7 @@ class Zero3Partitioner(partitioner_base()):
         """Part of AOTAutograd's and Inductor's cache keys: our source, the options, the rank
         (ranks compile graphs of their own: shards of uneven sizes, rows of a mesh) and the names
         of the process groups the scheduled graphs' collectives name. Nothing else of this
-        process may go into the compiled code (tests/test_compile_cache.py)."""
+        process may go into the compiled code (tests/distributed/test_compile_cache.py)."""
         options = self.ctx.options
         budget = (
             f"-budget{options.memory_budget_bytes}" if options.memory_budget_mb == "auto" else ""

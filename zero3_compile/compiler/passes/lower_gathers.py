@@ -121,7 +121,7 @@ def _hoist_shard_views(graph: fx.Graph, markers: list[fx.Node]) -> None:
 
 
 # Test-only switch: lower reloads without their waits, to show that Offload(poison=True) makes
-# a missing wait fail loudly (tests/test_offload.py). Never set it otherwise.
+# a missing wait fail loudly (tests/distributed/test_offload.py). Never set it otherwise.
 _TEST_ONLY_DROP_RELOAD_WAITS = False
 
 

@@ -9,7 +9,7 @@ through the offload), ``tiled.py`` (``OptimizerOffload``: the state in its store
 read ahead and written behind), ``tiles.py`` (what a stepping pass is made of, shared by both
 ways of stepping), ``in_backward.py`` (``in_backward=True``: each parameter steps as soon as its
 gradient is reduced). It sits over the offload foundation (``..store``, ``..params``,
-``..grads``...), which never imports it (tests/test_layers.py).
+``..grads``...), which never imports it (tests/unit/test_layers.py).
 """
 
 from .api import offload_optimizer
