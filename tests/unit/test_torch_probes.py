@@ -29,6 +29,7 @@ from zero3_compile._torch import (
     dynamo,
     higher_order,
     inductor,
+    modules,
     pipelining,
     pytree,
     tensors,
@@ -203,6 +204,46 @@ def test_dtensor_local_shard(fake_pg):
             assert shard.grad.to_local().tolist() == [3.0, 3.0]
 
 
+def test_dtensor_local_tensor(fake_pg):
+    from torch.distributed.tensor import DTensor
+
+    with assumption(
+        "dtensor.local_tensor",
+        "DTensor._local_tensor is the held tensor itself: no autograd edge, the same object on "
+        "every read, a tensor subclass the DTensor was built around kept as it is",
+    ):
+        shard = _dtensor(torch.arange(2.0)).requires_grad_()
+        held = dtensor.local_tensor(shard)
+        assert type(held) is torch.Tensor and held.grad_fn is None
+        assert held is dtensor.local_tensor(shard) and held.tolist() == [0.0, 1.0]
+        inner = torch.ones(2).as_subclass(_Marked)
+        built = DTensor(inner, dtensor.spec_of(shard), requires_grad=False)
+        assert dtensor.local_tensor(built) is inner
+
+
+class _Marked(torch.Tensor):
+    """A plain tensor subclass (a stand-in for a GatheredParameter or a StoredTensor)."""
+
+
+def test_dtensor_spec_of(fake_pg):
+    from torch.distributed.tensor import DTensor
+
+    with assumption(
+        "dtensor.spec_of",
+        "DTensor._spec has .mesh / .placements, and DTensor(local, spec, requires_grad=) builds "
+        "a DTensor of that layout around local without a copy",
+    ):
+        shard = _dtensor(torch.arange(2.0))
+        spec = dtensor.spec_of(shard)
+        assert spec.mesh is shard.device_mesh and tuple(spec.placements) == shard.placements
+        local = torch.tensor([5.0, 6.0])
+        for requires_grad in (False, True):
+            built = DTensor(local, spec, requires_grad=requires_grad)
+            assert built.shape == shard.shape and built.placements == shard.placements
+            assert built.requires_grad is requires_grad
+            assert built.to_local().data_ptr() == local.data_ptr()
+
+
 # ------------------------------------------------------------------------------- dynamo
 
 
@@ -303,6 +344,55 @@ def test_dynamo_is_compiled_module():
         in_place = nn.Linear(2, 2)
         in_place.compile()
         assert dynamo.is_compiled_module(in_place)
+
+
+def test_dynamo_uncompiled():
+    with assumption("dynamo.uncompiled", "torch.compile(module) keeps the module as ._orig_mod"):
+        plain = nn.Linear(2, 2)
+        assert dynamo.uncompiled(torch.compile(plain)) is plain
+        assert dynamo.uncompiled(plain) is plain
+
+
+def test_dynamo_compiled_function_original():
+    def fn(x):
+        return x + 1
+
+    with assumption(
+        "dynamo.compiled_function_original",
+        "torch.compile(fn) keeps fn as ._torchdynamo_orig_callable",
+    ):
+        assert dynamo.compiled_function_original(torch.compile(fn, backend="eager")) is fn
+        assert dynamo.compiled_function_original(fn) is None
+
+
+def test_dynamo_inner_backend():
+    """tools/inspect/explain.py finds a module's or a function's backend object (its name, the
+    options it was given) by walking dynamo's wrappers from the compiled callable inward."""
+
+    def probe_backend(gm, example_inputs, options=None):
+        return gm.forward
+
+    def backend_object(start):
+        callback = start
+        for _ in range(8):
+            if getattr(callback, "compiler_name", None) == "zero3_probe_inner":
+                return callback
+            callback = dynamo.inner_backend(callback)
+        return None
+
+    with assumption(
+        "dynamo.inner_backend",
+        "dynamo's backend wrappers keep the next one inside as ._torchdynamo_orig_backend / "
+        "._torchdynamo_orig_callable, down to the object naming the backend (compiler_name, "
+        "kwargs) within 8 steps, from a module's dynamo_ctx.callback or a function's closure",
+    ):
+        dynamo.register_dynamo_backend(probe_backend, "zero3_probe_inner")
+        module = torch.compile(nn.Linear(2, 2), backend="zero3_probe_inner", options={"k": 1})
+        found = backend_object(module.dynamo_ctx.callback)
+        assert found is not None and found.kwargs["options"] == {"k": 1}
+        compiled = torch.compile(lambda x: x, backend="zero3_probe_inner", options={"k": 2})
+        found = backend_object(inspect.getclosurevars(compiled).nonlocals.get("callback"))
+        assert found is not None and found.kwargs["options"] == {"k": 2}
 
 
 def test_dynamo_nested_regions_take_dtensor_inputs(fake_pg):
@@ -525,6 +615,32 @@ def test_aot_autograd_compiled_function_node_and_offset():
         assert not aot_autograd.is_compiled_function_node(x.sin().grad_fn)
 
 
+def test_aot_autograd_mark_boxed():
+    seen = []
+
+    def compiler(gm, example_inputs):
+        forward = gm.forward
+
+        def run(args):
+            seen.append(type(args))
+            out = forward(*args)
+            args.clear()
+            return out
+
+        return aot_autograd.mark_boxed(run)
+
+    with assumption(
+        "aot_autograd.mark_boxed",
+        "a compiled graph with ._boxed_call = True is called with one list of its inputs",
+    ):
+        backend = dynamo.aot_autograd_backend(fw_compiler=compiler, bw_compiler=compiler)
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        out = torch.compile(lambda t: (t * 3).sin(), backend=backend, fullgraph=True)(x)
+        out.sum().backward()
+        assert torch.allclose(out, (x * 3).sin()) and torch.allclose(x.grad, 3 * (x * 3).cos())
+        assert seen and all(kind is list for kind in seen)
+
+
 # ------------------------------------------------------------------------------- inductor
 
 
@@ -685,6 +801,34 @@ def test_fx_boxed_codegen():
         assert args == []
 
 
+def test_fx_schema_of():
+    with assumption(
+        "fx.schema_of",
+        "OpOverload._schema: arguments (name, alias_info.is_write), returns, is_mutable",
+    ):
+        written = torch_fx.schema_of(torch.ops.aten.add_.Tensor)
+        assert [a.name for a in written.arguments][:2] == ["self", "other"]
+        assert written.arguments[0].alias_info.is_write and written.is_mutable
+        assert written.arguments[1].alias_info is None
+        view = torch_fx.schema_of(torch.ops.aten.view.default)
+        assert not view.is_mutable and view.returns[0].alias_info is not None
+        assert torch_fx.schema_of(torch.ops.aten.add.Tensor).returns[0].alias_info is None
+
+
+def test_fx_node_name():
+    with assumption(
+        "fx.node_name",
+        "Graph._target_to_str(name) snake-cases a name and drops magic underscores",
+    ):
+        graph = fx.Graph()
+        assert torch_fx.node_name(graph, "allGather") == "all_gather"
+        assert torch_fx.node_name(graph, "__add__") == "add"
+        node = graph.create_node(
+            "call_function", torch.add, (), {}, name=torch_fx.node_name(graph, "wait_tensor")
+        )
+        assert node.name == "wait_tensor"
+
+
 # ------------------------------------------------------------------------------- tensors
 
 
@@ -762,6 +906,94 @@ def test_tensors_allow_foreach():
             for supported in lists:
                 while Sub in supported:
                     supported.remove(Sub)
+
+
+def test_tensors_version():
+    with assumption(
+        "tensors.version",
+        "Tensor._version counts in-place writes, shared by views, not by out-of-place ops; a "
+        ".data view counts its own",
+    ):
+        base = torch.zeros(4)
+        before = tensors.version(base)
+        base + 1
+        assert tensors.version(base) == before
+        base[1:].add_(1)
+        assert tensors.version(base) > before
+        assert tensors.version(base[1:]) == tensors.version(base)
+        now = tensors.version(base)
+        base.data.add_(1)
+        assert tensors.version(base) == now
+
+
+# ------------------------------------------------------------------------------- modules
+
+
+def test_modules_own_parameters():
+    with assumption(
+        "modules.own_parameters",
+        "nn.Module._parameters is the registry dict (registration order, None entries): a "
+        "parameter put in it is what the module reads and reports",
+    ):
+        module = nn.Linear(2, 2)
+        module.register_parameter("extra", None)
+        registry = modules.own_parameters(module)
+        assert registry is modules.own_parameters(module)
+        assert list(registry) == ["weight", "bias", "extra"] and registry["extra"] is None
+        new = nn.Parameter(torch.zeros(2, 2))
+        registry["weight"] = new
+        assert module.weight is new and dict(module.named_parameters())["weight"] is new
+        assert "weight" not in module.__dict__
+        assert torch.equal(module(torch.ones(1, 2)), module.bias.detach().view(1, 2))
+
+
+def test_modules_own_buffers_and_non_persistent_buffer_names():
+    with assumption(
+        "modules.own_buffers/non_persistent_buffer_names",
+        "nn.Module._buffers is the registry dict of own buffers; _non_persistent_buffers_set "
+        "names those state_dict() leaves out",
+    ):
+        module = nn.BatchNorm1d(2)
+        module.register_buffer("scratch", torch.ones(1), persistent=False)
+        own = modules.own_buffers(module)
+        assert own is modules.own_buffers(module)
+        assert list(own) == ["running_mean", "running_var", "num_batches_tracked", "scratch"]
+        assert modules.non_persistent_buffer_names(module) == {"scratch"}
+        assert "scratch" not in module.state_dict() and "running_mean" in module.state_dict()
+
+
+def test_modules_own_children():
+    with assumption(
+        "modules.own_children",
+        "nn.Module._modules is the dict of direct submodules by attribute name",
+    ):
+        outer = nn.Module()
+        outer.experts = nn.ModuleList([nn.Linear(1, 1)])
+        outer.register_module("absent", None)
+        children = modules.own_children(outer)
+        assert children is modules.own_children(outer)
+        assert list(children) == ["experts", "absent"] and children["experts"] is outer.experts
+
+
+def test_modules_rnn_flat_weight_names():
+    with assumption(
+        "modules.rnn_flat_weight_names",
+        "RNNBase._flat_weights_names lists its weight attributes in _flat_weights' order, and "
+        "RNNBase still has the methods frontend/rnn.py replaces (_flat_weights, "
+        "_init_flat_weights, _update_flat_weights, _weights_have_changed, flatten_parameters)",
+    ):
+        rnn = nn.LSTM(2, 3, num_layers=2)
+        names = modules.rnn_flat_weight_names(rnn)
+        assert names[:4] == ["weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"]
+        assert len(names) == 8 and all(name in modules.own_parameters(rnn) for name in names)
+        assert [w is getattr(rnn, n) for w, n in zip(rnn._flat_weights, names)] == [True] * 8
+        for name in (
+            "_init_flat_weights",
+            "_update_flat_weights",
+            "_weights_have_changed",
+            "flatten_parameters",
+        ):
+            assert callable(getattr(nn.RNNBase, name)), name
 
 
 # ------------------------------------------------------------------------------- the rest
@@ -848,6 +1080,21 @@ def test_checkpoint_no_optimizer_state_init():
         assert inspect.getsource(state_dict).count("_init_optim_state(") >= 2
 
 
+def test_checkpoint_metadata_path(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    with assumption(
+        "checkpoint.metadata_path",
+        "FileSystemReader._get_metadata_path(rank) is where a save writes .metadata "
+        "(__{rank}.metadata for a rank's own)",
+    ):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+        reader = dcp.FileSystemReader(str(tmp_path))
+        assert str(checkpoint.metadata_path(reader)) == str(tmp_path / ".metadata")
+        assert (tmp_path / ".metadata").exists()
+        assert str(checkpoint.metadata_path(reader, 3)).endswith("__3.metadata")
+
+
 def test_pipelining_split_backward_types():
     from torch.distributed.pipelining import schedules
 
@@ -859,3 +1106,16 @@ def test_pipelining_split_backward_types():
         kinds = pipelining.split_backward_types()
         assert {kind.name for kind in kinds} == {"BACKWARD_INPUT", "BACKWARD_WEIGHT"}
         assert "computation_type" in schedules._Action._fields
+
+
+def test_pipelining_metadata_cleanup_hook():
+    """parallel/pipelining.py's PipelineStage overrides this hook (allowed in test_layers.py)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    with assumption(
+        "(parallel.pipelining's override) PipelineStage._post_metadata_inference_cleanup",
+        "a stage has the hook and the schedules call it on each stage",
+    ):
+        assert callable(PipelineStage._post_metadata_inference_cleanup)
+        assert "._post_metadata_inference_cleanup()" in inspect.getsource(schedules)

@@ -91,3 +91,11 @@ def is_compiled_function_node(node) -> bool:
     """Whether an autograd graph node is the backward of AOTAutograd's autograd.Function (its
     private class name ``CompiledFunctionBackward``), 2.11-2.14."""
     return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def mark_boxed(fn):
+    """Mark ``fn(args)`` as taking its inputs as one list it may clear (the boxed calling
+    convention): AOTAutograd and Inductor read the private ``_boxed_call`` attribute that torch's
+    ``make_boxed_func`` sets (which wraps ``fn`` instead of marking it); checked 2.13-2.14."""
+    fn._boxed_call = True
+    return fn

@@ -27,3 +27,10 @@ def no_optimizer_state_init(active: bool = True) -> Iterator[None]:
         yield
     finally:
         torch_state_dict._init_optim_state = original
+
+
+def metadata_path(reader, rank: int | None = None):
+    """The path of a ``FileSystemReader``'s ``.metadata`` file (``__{rank}.metadata`` for a
+    rank's own), as its ``read_metadata`` opens it (private ``_get_metadata_path``; no public
+    alternative), checked 2.13-2.14."""
+    return reader._get_metadata_path(rank)

@@ -1,4 +1,5 @@
-"""DTensor internals: private placements, mesh concatenation, the shard read's backward."""
+"""DTensor internals: private placements, mesh concatenation, the shard read's backward, the held
+local tensor and the spec."""
 
 from __future__ import annotations
 
@@ -76,3 +77,23 @@ def local_shard(dtensor) -> torch.Tensor:
 
         return DTensor.to_local(dtensor)
     return _local_shard_function().apply(dtensor)
+
+
+def local_tensor(dtensor) -> torch.Tensor:
+    """The tensor a DTensor holds, the object itself (private ``DTensor._local_tensor``).
+
+    ``to_local()`` is the public read, but it records a backward and dispatches through
+    ``__torch_function__`` (an offloaded shard's hands out its store's values): read here where
+    the code runs below autograd (gradient hooks, ``__torch_dispatch__``, optimizer state) or
+    needs the held object's own type (a ``GatheredParameter``, a ``StoredTensor``). No public
+    alternative; checked 2.13-2.14.
+    """
+    return dtensor._local_tensor
+
+
+def spec_of(dtensor):
+    """A DTensor's ``DTensorSpec`` (private ``DTensor._spec``: mesh, placements, global shape and
+    stride), for ``DTensor(local, spec_of(like), requires_grad=...)``: a DTensor of the same
+    layout around another local tensor with no check, copy, collective or autograd edge (what
+    ``from_local`` builds after its checks). No public alternative; checked 2.13-2.14."""
+    return dtensor._spec

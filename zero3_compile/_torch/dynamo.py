@@ -52,6 +52,27 @@ def is_compiled_module(module: nn.Module) -> bool:
     )
 
 
+def uncompiled(model):
+    """The module ``torch.compile(module)`` wraps (``OptimizedModule``'s private ``_orig_mod``),
+    else ``model`` itself; checked 2.13-2.14."""
+    return getattr(model, "_orig_mod", model)
+
+
+def compiled_function_original(fn):
+    """The callable a ``torch.compile``'d function wraps (the private
+    ``_torchdynamo_orig_callable`` dynamo sets on its wrappers), else None; checked 2.13-2.14."""
+    return getattr(fn, "_torchdynamo_orig_callable", None)
+
+
+def inner_backend(callback):
+    """The next backend or callable inside a dynamo backend wrapper (the private
+    ``_torchdynamo_orig_backend`` / ``_torchdynamo_orig_callable`` it keeps), else None;
+    checked 2.13-2.14."""
+    return getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
+        callback, "_torchdynamo_orig_callable", None
+    )
+
+
 def nested_regions_take_dtensor_inputs() -> bool:
     """Whether dynamo traces a nested compile region (``invoke_subgraph``) whose body reads
     sharded (DTensor) parameters. torch 2.11 and 2.12 do not: their subgraph speculation asserts

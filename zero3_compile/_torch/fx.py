@@ -8,7 +8,14 @@ import torch
 # ``torch.utils._python_dispatch``; torch's docs on extending point to it), 2.11-2.14.
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpOverload", "TorchDispatchMode", "boxed_codegen", "fake_tensor_types"]
+__all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
+    "boxed_codegen",
+    "fake_tensor_types",
+    "node_name",
+    "schema_of",
+]
 
 # ``torch._ops.OpOverload``: the type of ATen / custom op overloads in FX graphs (private module,
 # no public alias), 2.11-2.14.
@@ -29,3 +36,17 @@ def boxed_codegen():
     from torch.fx.graph import _BoxedCodeGen
 
     return _BoxedCodeGen()
+
+
+def schema_of(op) -> torch.FunctionSchema:
+    """An op overload's ``FunctionSchema`` (private ``OpOverload._schema``): its arguments by
+    position and name, which of them an op writes (``alias_info.is_write``) and whether it is
+    mutable. No public alternative; checked 2.13-2.14."""
+    return op._schema
+
+
+def node_name(graph: torch.fx.Graph, name: str) -> str:
+    """The node name FX itself derives from ``name`` when it names a node after its target
+    (private ``Graph._target_to_str``: snake case, magic-method underscores dropped), for
+    ``graph.create_node(..., name=node_name(graph, name))``; checked 2.13-2.14."""
+    return graph._target_to_str(name)

@@ -36,3 +36,10 @@ def allow_foreach(cls: type) -> None:
     for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
         if cls not in supported:
             supported.append(cls)
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (private ``Tensor._version``, shared by the views of
+    one storage; autograd's saved-tensor check reads it): a changed value means the tensor was
+    written in place since it was last read. No public alternative; checked 2.13-2.14."""
+    return tensor._version
