@@ -24,6 +24,23 @@ from ..support.paths import EXAMPLES, ROOT
 KINDS = ("gpt2", "llama", "mixtral")
 
 
+def _runs(rank, world, runs):
+    """``runs``: (name, function name, args); each ``function(rank, world, *args)`` in turn, in
+    this one launch (forked ranks, gloo, the Trainer's imports and first compile cost seconds per
+    launch), from a reset dynamo; {name: result}."""
+    out = {}
+    for name, function, args in runs:
+        torch._dynamo.reset()
+        out[name] = globals()[function](rank, world, *args)
+    return out
+
+
+def _launch_runs(world: int, runs: list[tuple]) -> dict[str, list]:
+    """{name: per-rank results} of ``runs`` (see ``_runs``), in one launch of ``world`` ranks."""
+    per_rank = run_ranks(_runs, world, runs, timeout=1800)
+    return {name: [ranks[name] for ranks in per_rank] for name, _, _ in runs}
+
+
 @functools.cache
 def folder() -> str:
     return tempfile.mkdtemp(prefix="zero3-hf-tests-")
@@ -99,9 +116,27 @@ def _round_trips(rank, world, paths, out_root):
 
 
 @functools.cache
-def round_trips():
+def loading() -> dict[str, list]:
+    """The loading scenarios (each with its own folders) in one launch of 2 ranks; the loads
+    into disk stores last (the disk store installs its host cache as the CPU allocator)."""
     out_root = tempfile.mkdtemp(prefix="zero3-hf-out-", dir=folder())
-    return run_ranks(_round_trips, 2, checkpoints(), out_root, timeout=600)
+    for sub in ("bad", "trips", "file"):
+        os.makedirs(os.path.join(out_root, sub))
+    llama = checkpoints()["llama"]
+    return _launch_runs(
+        2,
+        [
+            ("one graph", "_one_graph", (llama,)),
+            ("generate", "_generate", (llama,)),
+            ("bad", "_bad_checkpoints", (llama, os.path.join(out_root, "bad"))),
+            ("round trips", "_round_trips", (checkpoints(), os.path.join(out_root, "trips"))),
+            ("left in the file", "_left_in_the_file", (os.path.join(out_root, "file"),)),
+        ],
+    )
+
+
+def round_trips():
+    return loading()["round trips"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -209,12 +244,7 @@ def _left_in_the_file(rank, world, root):
 
 
 def test_shards_loaded_from_a_checkpoint_stay_in_it_until_the_first_step():
-    root = tempfile.mkdtemp(prefix="zero3-hf-file-", dir=folder())
-    try:
-        results = run_ranks(_left_in_the_file, 2, root, timeout=600)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    for out in results:
+    for out in loading()["left in the file"]:
         assert out["file written at load"] == 0  # nothing written: the rows stay in the file
         assert all(out["file in file"])
         assert out["store written at load"] > 0 and not any(out["store in file"])
@@ -262,8 +292,7 @@ def _bad_checkpoints(rank, world, path, scratch):
 
 
 def test_bad_checkpoints_fail_on_every_rank_naming_file_and_key():
-    scratch = tempfile.mkdtemp(prefix="zero3-hf-bad-", dir=folder())
-    results = run_ranks(_bad_checkpoints, 2, checkpoints()["llama"], scratch, timeout=600)
+    results = loading()["bad"]
     victim = results[0]["victim"]
     for cases in results:
         for name in ("truncated", "missing", "mismatch"):
@@ -324,9 +353,12 @@ def _trainer(rank, world, path, out, overrides, resume, zero3):
     auto = transformers.AutoModelForCausalLM
     overrides = dict(overrides)
     config = overrides.pop("zero3_config", None)  # a DeepSpeed configuration, translated
+    # profile each training step, counting its reduce-scatters (the runs whose counts a test reads)
+    counting = overrides.pop("count_reduce_scatters", False)
     if zero3:
         model = z3hf.from_pretrained(auto, path)
-        trainer_class, extra = _CountingTrainer, {"zero3_options": {"codegen": "eager"}}
+        trainer_class = _CountingTrainer if counting else z3hf.Trainer
+        extra = {"zero3_options": {"codegen": "eager"}}
         if config is not None:
             extra["zero3_config"] = config
     else:
@@ -385,21 +417,73 @@ class _CountingTrainer:
         return Counting(*args, **kwargs)
 
 
-def _train(world, out_name, overrides=None, resume=None, zero3=True):
-    out = os.path.join(folder(), out_name)
-    return run_ranks(
-        _trainer, world, checkpoints()["gpt2"], out, overrides or {}, resume, zero3, timeout=900
-    )[0]
+def _run(name, overrides, resume=None, zero3=True):
+    """A Trainer run for ``_launch_runs``, in its own output folder."""
+    args = (checkpoints()["gpt2"], os.path.join(folder(), name), overrides, resume, zero3)
+    return (name, "_trainer", args)
+
+
+ACCUMULATION = {"optim": "sgd", "gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}
+ZERO_PLUS_PLUS = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+BEST = {
+    "save_strategy": "steps",
+    "save_steps": 1,
+    "eval_strategy": "steps",
+    "eval_steps": 1,
+    "load_best_model_at_end": True,
+    "metric_for_best_model": "eval_loss",
+    "learning_rate": 5e-2,
+}
+CHECKPOINT_2 = ("zero3-saving", "checkpoint-2")
 
 
 @functools.cache
+def trainer_runs() -> dict[str, list]:
+    """The Trainer runs on 2 ranks, in one launch (each a fresh model, Trainer and dynamo): the
+    runs on 1 rank, in one launch after them (one resumes from a checkpoint of theirs); the
+    resume on 2 ranks is a launch of its own (new processes, as a restarted job)."""
+    in_backward = os.path.join(folder(), "in-backward")
+    runs = _launch_runs(
+        2,
+        [
+            _run("zero3-sgd", {"optim": "sgd"}),
+            _run("zero3-fp16", {"optim": "sgd", "fp16": True}),
+            _run("zero3-checkpointing", {"optim": "sgd", "gradient_checkpointing": True}),
+            _run("zero3-accum", {**ACCUMULATION, "count_reduce_scatters": True}),
+            _run(
+                "zero3-zeropp",
+                {"optim": "sgd", "zero3_config": {"zero_optimization": ZERO_PLUS_PLUS}},
+            ),
+            _run(CHECKPOINT_2[0], {"save_strategy": "steps", "save_steps": 2}),
+            _run("zero3-best", BEST),
+            # the disk stores last (the disk store installs its host cache as the CPU allocator)
+            ("in-backward", "_in_backward_trainer", (checkpoints()["gpt2"], in_backward)),
+        ],
+    )
+    checkpoint = os.path.join(folder(), *CHECKPOINT_2)
+    runs |= _launch_runs(
+        1,
+        [
+            _run("plain-sgd", {"optim": "sgd"}, zero3=False),
+            _run("plain-accum", {**ACCUMULATION, "per_device_train_batch_size": 2}, zero3=False),
+            _run("zero3-resumed-1", {"save_strategy": "no"}, resume=checkpoint),
+        ],
+    )
+    return runs
+
+
+def _got(name: str) -> dict:
+    """Rank 0's result of the Trainer run ``name``."""
+    return trainer_runs()[name][0]
+
+
 def plain_sgd():
-    return _train(1, "plain-sgd", {"optim": "sgd"}, zero3=False)
+    return _got("plain-sgd")
 
 
 def test_trainer_matches_the_plain_trainer():
     """SGD (Adam's normalisation turns rounding noise on near-zero gradients into full steps)."""
-    got = _train(2, "zero3-sgd", {"optim": "sgd"})
+    got = _got("zero3-sgd")
     ref = plain_sgd()
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
     assert len(got["losses"]) == 4
@@ -411,7 +495,7 @@ def test_fp16_scales_the_loss_and_trains_like_the_fp32_trainer():
     """fp16 gathers and compute with fp32 master shards; the loss goes through a dynamic
     GradScaler (on CPU too, where accelerate makes none), unscaled before the step: without the
     unscale each step would be 65536 times too large."""
-    got = _train(2, "zero3-fp16", {"optim": "sgd", "fp16": True})
+    got = _got("zero3-fp16")
     ref = plain_sgd()
     assert got["scale"] == 2.0**16  # the scaler ran; no overflow in 4 steps
     assert len(got["losses"]) == 4
@@ -423,7 +507,7 @@ def test_fp16_scales_the_loss_and_trains_like_the_fp32_trainer():
 
 
 def test_gradient_checkpointing_trains_like_the_plain_trainer():
-    got = _train(2, "zero3-checkpointing", {"optim": "sgd", "gradient_checkpointing": True})
+    got = _got("zero3-checkpointing")
     ref = plain_sgd()
     assert got["checkpointing"]
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
@@ -432,9 +516,7 @@ def test_gradient_checkpointing_trains_like_the_plain_trainer():
 
 
 def test_accumulation_reduces_only_on_the_steps_last_micro_batch():
-    overrides = {"optim": "sgd", "gradient_accumulation_steps": 2, "per_device_train_batch_size": 1}
-    got = _train(2, "zero3-accum", overrides)
-    ref = _train(1, "plain-accum", {**overrides, "per_device_train_batch_size": 2}, zero3=False)
+    got, ref = _got("zero3-accum"), _got("plain-accum")
     assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) < 1e-5
     counts = got["reduce_scatters"]
     assert len(counts) == 8
@@ -510,8 +592,7 @@ def test_the_trainer_with_the_optimizer_in_the_backward_trains_like_without_it()
     zero_grad, and the gradient norm it logs): the same bits as stepping after the backward;
     clipping and accumulation are refused before the first step, naming the arguments to
     change."""
-    out = os.path.join(folder(), "in-backward")
-    for r in run_ranks(_in_backward_trainer, 2, checkpoints()["gpt2"], out, timeout=900):
+    for r in trainer_runs()["in-backward"]:
         mine, plain = r["runs"][True], r["runs"][False]
         assert len(mine["losses"]) == 4 and mine["losses"] == plain["losses"], r["runs"]
         assert mine["losses"][-1] != mine["losses"][0]
@@ -534,8 +615,7 @@ def test_a_deepspeed_zero_plus_plus_config_trains_like_the_plain_trainer_within_
     0.145 for the whole model, 0.06-0.25 per parameter, the largest a layer norm's 32 gains whose
     int4 blocks hold 16 elements); without compression it is within 1e-5
     (``test_trainer_matches_the_plain_trainer``)."""
-    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
-    got = _train(2, "zero3-zeropp", {"optim": "sgd", "zero3_config": {"zero_optimization": zero}})
+    got = _got("zero3-zeropp")
     ref, start = plain_sgd(), _initial_params()
     assert len(got["losses"]) == 4
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 1e-3
@@ -548,23 +628,24 @@ def test_a_deepspeed_zero_plus_plus_config_trains_like_the_plain_trainer_within_
     assert max(each.values()) < 0.4, each
 
 
-@functools.cache
 def uninterrupted():
-    return _train(2, "zero3-saving", {"save_strategy": "steps", "save_steps": 2})
+    return _got(CHECKPOINT_2[0])
 
 
 def test_resume_from_checkpoint_2_is_bit_identical():
     full = uninterrupted()
-    checkpoint = os.path.join(folder(), "zero3-saving", "checkpoint-2")
+    checkpoint = os.path.join(folder(), *CHECKPOINT_2)
     assert os.path.isdir(os.path.join(checkpoint, "zero3_state"))
-    resumed = _train(2, "zero3-resumed", {"save_strategy": "no"}, resume=checkpoint)
+    # in new processes, as a restarted job
+    run = _run("zero3-resumed", {"save_strategy": "no"}, resume=checkpoint)
+    resumed = _launch_runs(2, [run])["zero3-resumed"][0]
     assert resumed["losses"] == full["losses"]  # the history is restored, steps 3-4 rerun
     for key, value in full["params"].items():
         assert torch.equal(resumed["params"][key], value), key
     for key, value in full["optimizer"].items():
         assert torch.equal(resumed["optimizer"][key], value), key
     # on one rank: the same checkpoint, resharded
-    single = _train(1, "zero3-resumed-1", {"save_strategy": "no"}, resume=checkpoint)
+    single = _got("zero3-resumed-1")
     scale = max(v.abs().max().item() for v in full["params"].values())
     assert _max_diff(single["params"], full["params"]) / scale < 1e-5
 
@@ -573,23 +654,14 @@ def test_checkpoints_are_plain_folders_too():
     uninterrupted()
     import transformers
 
-    checkpoint = os.path.join(folder(), "zero3-saving", "checkpoint-4")
+    checkpoint = os.path.join(folder(), CHECKPOINT_2[0], "checkpoint-4")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     final = uninterrupted()["params"]
     assert _max_diff(dict(reloaded.state_dict()), final) == 0.0
 
 
 def test_load_best_model_at_end():
-    overrides = {
-        "save_strategy": "steps",
-        "save_steps": 1,
-        "eval_strategy": "steps",
-        "eval_steps": 1,
-        "load_best_model_at_end": True,
-        "metric_for_best_model": "eval_loss",
-        "learning_rate": 5e-2,
-    }
-    got = _train(2, "zero3-best", overrides)
+    got = _got("zero3-best")
     import transformers
 
     best = transformers.AutoModelForCausalLM.from_pretrained(got["best"])
@@ -619,7 +691,7 @@ def _one_graph(rank, world, path):
 def test_a_loaded_model_compiles_as_one_graph():
     """``generate`` keeps ranks in step without FSDP's flag, which dynamo took for FSDP1's: it
     broke the graph at the model, and every decoder layer recompiled as a frame of its own."""
-    for out in run_ranks(_one_graph, 2, checkpoints()["llama"], timeout=300):
+    for out in loading()["one graph"]:
         assert out == {"graph breaks": 0, "graphs": 1, "fsdp flag": False}
 
 
@@ -656,7 +728,7 @@ def _generate(rank, world, path):
 
 
 def test_generate_equals_the_unsharded_model_with_per_rank_prompts():
-    results = run_ranks(_generate, 2, checkpoints()["llama"], timeout=600)
+    results = loading()["generate"]
     assert results[0]["length"] != results[1]["length"]
     for out in results:
         assert out["sharded"] and out["gathered"] and out["restored"] and out["written back"]
@@ -733,17 +805,38 @@ def test_loader_peak_memory_is_shards_plus_largest_tensor():
 # ------------------------------------------------------------------------ accelerate
 
 
-def _launch(command: list[str], cwd: str) -> list[str]:
+def _launch(commands: list[list[str]], cwd: str) -> list[list[str]]:
+    """Every command at once, each in a folder of its own under ``cwd`` (one launcher's start
+    overlaps the other's): the loss lines and the ranks' reports of each."""
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # the loss lines and the ranks' reports, even where two processes' writes to the shared
-    # stdout interleaved (seen: "step 3: loss 5.1842rank 1: 62336 of 124672 parameters held")
-    steps = re.findall(r"step \d+: loss \d+\.\d{4}", done.stdout)
-    held = re.findall(r"rank \d+: \d+ of \d+ parameters held", done.stdout)
-    return steps + held
+    procs = []
+    for i, command in enumerate(commands):
+        where = os.path.join(cwd, str(i))
+        os.makedirs(where)
+        with (
+            open(os.path.join(where, "out"), "w") as out,
+            open(os.path.join(where, "err"), "w") as err,
+        ):
+            procs.append(
+                (where, subprocess.Popen(command, cwd=where, env=env, stdout=out, stderr=err))
+            )
+    lines = []
+    for where, proc in procs:
+        try:
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stdout, stderr = (open(os.path.join(where, name)).read() for name in ("out", "err"))
+        assert proc.returncode == 0, stderr[-3000:]
+        # the loss lines and the ranks' reports, even where two processes' writes to the shared
+        # stdout interleaved (seen: "step 3: loss 5.1842rank 1: 62336 of 124672 parameters held")
+        steps = re.findall(r"step \d+: loss \d+\.\d{4}", stdout)
+        held = re.findall(r"rank \d+: \d+ of \d+ parameters held", stdout)
+        lines.append(steps + held)
+    return lines
 
 
 def test_accelerate_launch_trains_like_torchrun():
@@ -753,13 +846,15 @@ def test_accelerate_launch_trains_like_torchrun():
                           "accelerate_loop.py")  # fmt: skip
     cwd = tempfile.mkdtemp(prefix="zero3-accelerate-", dir=folder())
     bin_dir = os.path.dirname(sys.executable)
-    accelerate = _launch(
-        [os.path.join(bin_dir, "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-         "--main_process_port", "0", script, "--steps", "3"], cwd,
-    )  # fmt: skip
-    torchrun = _launch(
-        [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2", script,
-         "--steps", "3"], cwd,
+    # both at once, each writing its initial model (seed 0) in its own folder
+    accelerate, torchrun = _launch(
+        [
+            [os.path.join(bin_dir, "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+             "--main_process_port", "0", script, "--steps", "3"],
+            [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2", script,
+             "--steps", "3"],
+        ],
+        cwd,
     )  # fmt: skip
     steps = [line for line in accelerate if line.startswith("step")]
     assert len(steps) == 3
