@@ -7,10 +7,14 @@ before ``shard``) takes the mean over ranks of the per-slice losses, so its grad
 ranks' average (DDP/FSDP2 semantics). Compared: full gradients after the first backward (and
 ``None`` exactly where eager has ``None``), the losses of 3 optimizer steps, and the final state
 (parameters and buffers; BatchNorm's running statistics per rank, see tests/support/zoo.py). Eager
-codegen for every model, the sharded model called uncompiled for several, Inductor for GPT-2.
+codegen for every model, the sharded model called uncompiled for several; all cases share one
+process group.
 
-About 2.5 minutes on 2 CPU cores with a cold Inductor cache (2 minutes warm): every model
-compiles on its own, Inductor's GPT-2 alone takes a minute; all cases share one process group.
+No model is compiled with Inductor here (GPT-2's run took a minute on 2 cores, half of this
+file): the zoo is about the models' code, which both codegens receive as the same zero3 graphs.
+A Hugging Face model under Inductor trains like eager in tests/distributed/test_per_block.py
+(``llama-per_block-inductor``), a whole GPT with tied embeddings under Inductor in
+tests/distributed/test_equivalence.py (``w2-inductor-gpt-sgd-c``).
 """
 
 from __future__ import annotations
@@ -24,14 +28,10 @@ from ..support.dist_utils import run_scenarios
 from ..support.training import rel_diff
 from ..support.zoo import run_case
 
-TOLERANCE = {None: 1e-5, "eager": 1e-5, "inductor": 1e-4}
+TOLERANCE = {None: 1e-5, "eager": 1e-5}
 
 HF = ["bert", "t5", "gpt2", "llama", "mixtral", "qwen2_moe"]
-HF_CASES = (
-    [(name, "eager") for name in HF]
-    + [(name, None) for name in HF]  # the sharded model called eagerly
-    + [("gpt2", "inductor")]
-)
+HF_CASES = [(name, "eager") for name in HF] + [(name, None) for name in HF]  # None: uncompiled
 CASES = HF_CASES + [
     ("resnet", "eager"),
     ("resnet", None),
