@@ -105,25 +105,46 @@ def _gpt_recorded(rank, world_size):
     }
 
 
+def _then_gpt(rank, world_size, options_by_rank, unrelated_first=False):
+    """``_run``, then ``_gpt_recorded`` in the same processes (their figures are each their own:
+    counted from before their compiles)."""
+    return _run(rank, world_size, options_by_rank, unrelated_first), _gpt_recorded(rank, world_size)
+
+
+def _in_turn(rank, world_size, *options):
+    """``_run`` with each of ``options`` (options by rank) in turn, in the same processes."""
+    return [_run(rank, world_size, by_rank) for by_rank in options]
+
+
+def _split(per_rank: list) -> tuple[list, ...]:
+    """Per-rank tuples of results into a per-rank list of each."""
+    return tuple(list(each) for each in zip(*per_rank))
+
+
 @functools.cache
 def runs():
     cache = tempfile.mkdtemp(prefix="zero3-cache-test-")
     env = {"TORCHINDUCTOR_CACHE_DIR": cache}
     try:
+        cold, gpt_cold = _split(run_ranks(_then_gpt, 2, [A, A], env=env, timeout=900))
+        # a restart: spawned with a hash seed of its own (forked ranks share the fork
+        # server's, so a key hashing per-process values would still match)
+        warm, gpt_warm = _split(
+            run_ranks(_then_gpt, 2, [A, A], True, env={**env, "PYTHONHASHSEED": "1"}, timeout=900)
+        )
+        # options B compiled first, so that in the mismatch each rank loads its own cached
+        # graphs (rank 0 those of A, from the cold start, rank 1 those of B)
+        other_options, mismatch = _split(
+            run_ranks(_in_turn, 2, [B, B], [A, B], env=env, timeout=900)
+        )
         return {
-            "cold": run_ranks(_run, 2, [A, A], env=env, timeout=900),
-            # a restart: spawned with a hash seed of its own (forked ranks share the fork
-            # server's, so a key hashing per-process values would still match)
-            "warm": run_ranks(
-                _run, 2, [A, A], True, env={**env, "PYTHONHASHSEED": "1"}, timeout=900
-            ),
-            "other_options": run_ranks(_run, 2, [B, B], env=env, timeout=900),
+            "cold": cold,
+            "warm": warm,
+            "other_options": other_options,
             "other_world": run_ranks(_run, 3, [A, A, A], env=env, timeout=900),
-            "mismatch": run_ranks(_run, 2, [A, B], env=env, timeout=900),
-            "gpt_cold": run_ranks(_gpt_recorded, 2, env=env, timeout=900),
-            "gpt_warm": run_ranks(
-                _gpt_recorded, 2, env={**env, "PYTHONHASHSEED": "1"}, timeout=900
-            ),
+            "mismatch": mismatch,
+            "gpt_cold": gpt_cold,
+            "gpt_warm": gpt_warm,
         }
     finally:
         shutil.rmtree(cache, ignore_errors=True)
