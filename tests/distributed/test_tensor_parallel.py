@@ -339,7 +339,7 @@ def _scenario(rank, world, name, *args):
 
 
 TRAIN = [
-    ("train", (2, 2), "llama-sp", "eager", "sgd"),
+    # SGD under TP: the GPT case below (TP's strided and row shards of its MLPs)
     ("train", (2, 2), "llama-sp", "eager", "adamw"),
     ("train", (2, 2), "llama-sp", "inductor", "adamw"),
     ("train", (2, 2), "llama-sp", None, "adamw"),
@@ -355,10 +355,33 @@ TRAIN = [
 PLACEMENTS = [("placements", (2, 2)), ("placements", (4, 1)), ("placements", (1, 4))]
 
 
+# explain and dump_dir, the DCP checkpoints (saved before their loads), keyed without the
+# launch's temporary folder
+EXPLAINED = [("explained",)]
+CHECKPOINT = [("checkpoint_save",)]
+CHECKPOINT += [("checkpoint_load", shape) for shape in ((4, 1), (1, 4), (2, 2))]
+CHECKPOINT += [("checkpoint_load_unsharded",), ("checkpoint_load_fsdp2",)]
+CHECKPOINT += [("checkpoint_load_pipelined",)]
+FSDP2_CHECKPOINT = [("fsdp2_checkpoint_save",)]
+FSDP2_CHECKPOINT += [("fsdp2_checkpoint_load", shape) for shape in ((2, 2), (4, 1))]
+
+
 @functools.cache
 def results():
-    cases = PLACEMENTS + TRAIN + [("mismatch",), ("write_through",)]
-    return run_scenarios(_scenario, 4, cases, timeout=1500)
+    """Every scenario in one launch of 4 ranks, each group of cases in its own folder."""
+    root = tempfile.mkdtemp(prefix="z3-tp-")
+    try:
+        folders = {}
+        for group, cases in (("explain", EXPLAINED), ("ckpt", CHECKPOINT),
+                             ("fsdp2", FSDP2_CHECKPOINT)):  # fmt: skip
+            os.makedirs(os.path.join(root, group))
+            folders.update({case: os.path.join(root, group) for case in cases})
+        placed = [(case[0], folders[case], *case[1:]) for case in folders]
+        cases = PLACEMENTS + TRAIN + placed + [("write_through",), ("mismatch",)]
+        out = run_scenarios(_scenario, 4, cases, timeout=1500)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {(k[0], *k[2:]) if k in placed else k: v for k, v in out.items()}
 
 
 @pytest.mark.parametrize("case", PLACEMENTS, ids=lambda c: "x".join(map(str, c[1])))
@@ -415,57 +438,38 @@ def test_a_real_mismatch_still_raises_under_tensor_parallelism():
 
 
 def test_explain_and_dumps_under_tensor_parallelism():
-    folder = tempfile.mkdtemp(prefix="z3-tp-explain-")
-    try:
-        out = run_scenarios(_scenario, 4, [("explained", folder)], timeout=600)
-        for r in out[("explained", folder)]:
-            # ours by role, TP's by mesh dimension: the same names on every rank
-            assert r["groups"] == ["mesh:tp", "shard"], r["groups"]
-            assert "all-gather" in r["text"] and r["dumped"] > 0
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    for r in results()[("explained",)]:
+        # ours by role, TP's by mesh dimension: the same names on every rank
+        assert r["groups"] == ["mesh:tp", "shard"], r["groups"]
+        assert "all-gather" in r["text"] and r["dumped"] > 0
 
 
 def test_dcp_checkpoint_loads_at_other_dp_tp_pp_shapes_unsharded_and_into_fsdp2():
     """Saved at (dp 2, tp 2); loaded bit-exact at (4, 1), (1, 4), (2, 2), into the unsharded
     model, into FSDP2 + TP and into pipeline stages at (pp 2, dp 1, tp 2)."""
-    folder = tempfile.mkdtemp(prefix="z3-tp-ckpt-")
-    try:
-        cases = [("checkpoint_save", folder)]
-        cases += [("checkpoint_load", folder, shape) for shape in ((4, 1), (1, 4), (2, 2))]
-        cases += [("checkpoint_load_unsharded", folder), ("checkpoint_load_fsdp2", folder)]
-        cases += [("checkpoint_load_pipelined", folder)]
-        out = run_scenarios(_scenario, 4, cases, timeout=900)
-        saved = out[cases[0]][0]
-        for case in cases[1:]:
-            params, optim = {}, {}
-            for r in out[case]:  # a pipelined rank holds its stage's part
-                params.update(r["params"])
-                optim.update(r["optim"])
-            assert params.keys() == saved["params"].keys(), case
-            assert optim.keys() == saved["optim"].keys(), case
-            for key, value in saved["params"].items():
-                assert torch.equal(params[key], value), (case, key)
-            for key, value in saved["optim"].items():
-                assert torch.equal(optim[key], value), (case, key)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    out = results()
+    saved = out[CHECKPOINT[0]][0]
+    for case in CHECKPOINT[1:]:
+        params, optim = {}, {}
+        for r in out[case]:  # a pipelined rank holds its stage's part
+            params.update(r["params"])
+            optim.update(r["optim"])
+        assert params.keys() == saved["params"].keys(), case
+        assert optim.keys() == saved["optim"].keys(), case
+        for key, value in saved["params"].items():
+            assert torch.equal(params[key], value), (case, key)
+        for key, value in saved["optim"].items():
+            assert torch.equal(optim[key], value), (case, key)
 
 
 def test_an_fsdp2_tp_checkpoint_saved_with_plain_dcp_loads_into_zero3_over_tp():
-    folder = tempfile.mkdtemp(prefix="z3-fsdp2-ckpt-")
-    try:
-        cases = [("fsdp2_checkpoint_save", folder)]
-        cases += [("fsdp2_checkpoint_load", folder, shape) for shape in ((2, 2), (4, 1))]
-        out = run_scenarios(_scenario, 4, cases, timeout=900)
-        saved = out[cases[0]][0]
-        for case in cases[1:]:
-            for r in out[case]:
-                assert r["params"].keys() == saved["params"].keys()
-                assert r["optim"].keys() == saved["optim"].keys()
-                for key, value in saved["params"].items():
-                    assert torch.equal(r["params"][key], value), (case, key)
-                for key, value in saved["optim"].items():
-                    assert torch.equal(r["optim"][key], value), (case, key)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    out = results()
+    saved = out[FSDP2_CHECKPOINT[0]][0]
+    for case in FSDP2_CHECKPOINT[1:]:
+        for r in out[case]:
+            assert r["params"].keys() == saved["params"].keys()
+            assert r["optim"].keys() == saved["optim"].keys()
+            for key, value in saved["params"].items():
+                assert torch.equal(r["params"][key], value), (case, key)
+            for key, value in saved["optim"].items():
+                assert torch.equal(r["optim"][key], value), (case, key)
