@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .._torch.c10d import WAIT, register_wait
-from .._torch.tensors import storage_key
+from .._torch.tensors import storage_key, version
 from ..sharding.spec import ShardSpec
 from .schemes import EAGER, gather_scheme
 
@@ -104,7 +104,7 @@ class Handoff:
             pending, self.pending = self.pending, None
         if pending is not None:
             WAIT(pending.out)  # waited in its graph already; a no-op then
-            if pending.key == key and pending.versions == tuple(s._version for s in shards):
+            if pending.key == key and pending.versions == tuple(version(s) for s in shards):
                 self.taken += 1
                 return pending.out
             self.discarded += 1
@@ -123,7 +123,7 @@ class Handoff:
             return marker
         shards = nxt.shards
         out = _issue(shards, nxt.specs, nxt.dtype)
-        self.pending = _Pending(nxt.key, out, tuple(s._version for s in shards))
+        self.pending = _Pending(nxt.key, out, tuple(version(s) for s in shards))
         register_wait(marker, lambda: WAIT(out))
         return marker
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.fx as fx
 
-from .._torch.aot_autograd import autograd_cache_disabled
+from .._torch.aot_autograd import autograd_cache_disabled, mark_boxed
 from .._torch.c10d import backend_of
 from .._torch.dynamo import (
     aot_autograd_backend,
@@ -303,8 +303,7 @@ def _boxed(gm: fx.GraphModule):
     def run(args):
         return forward(args)
 
-    run._boxed_call = True
-    return run
+    return mark_boxed(run)
 
 
 def _compile_inductor(

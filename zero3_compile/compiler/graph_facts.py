@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .._torch.c10d import ALL_GATHER, COLLECTIVES, WAIT
 from .._torch.dynamo import set_grad_enabled_target
-from .._torch.fx import OpOverload
+from .._torch.fx import OpOverload, schema_of
 from .._torch.higher_order import invoke_subgraph_op
 from ..collectives.ops import GUARD, REDUCE_GRAD, UNSHARD
 from .graph_utils import output_node
@@ -39,7 +39,7 @@ def is_view(node: fx.Node) -> bool:
         source = node.args[0]
         return isinstance(source, fx.Node) and is_view(source)
     if isinstance(target, OpOverload):
-        schema = target._schema
+        schema = schema_of(target)
         if schema.is_mutable:
             return False
         return any(ret.alias_info is not None for ret in schema.returns)
@@ -77,7 +77,7 @@ def recomputable(node: fx.Node) -> bool:
     if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return False
-        if target._schema.is_mutable:
+        if schema_of(target).is_mutable:
             return False
     return True
 

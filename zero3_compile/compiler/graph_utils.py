@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.node import map_arg
 
-from .._torch.fx import TorchDispatchMode, fake_tensor_types
+from .._torch.fx import TorchDispatchMode, fake_tensor_types, node_name
 
 FakeTensor, FakeTensorMode = fake_tensor_types()
 
@@ -130,7 +130,7 @@ class _Recorder(TorchDispatchMode):
 
     def _add(self, target, args, kwargs, val, name) -> fx.Node:
         node = self.graph.create_node(
-            "call_function", target, args, kwargs, name=self.graph._target_to_str(name)
+            "call_function", target, args, kwargs, name=node_name(self.graph, name)
         )
         node.meta["val"] = val
         self.created.append(node)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.modules import own_parameters
 from ..sharding.state import module_state
 from .classes import base_call, register_methods
 
@@ -16,7 +17,7 @@ def apply_(self: nn.Module, fn, recurse: bool = True):
     """``model.to()`` and friends: apply ``fn`` to the shards, re-attach the parameters' states
     (``swap_tensors`` replaced their contents and attributes)."""
     evicted = {
-        id(self._parameters.get(attr)): state
+        id(own_parameters(self).get(attr)): state
         for attr, state in module_state(self).params.items()
         if getattr(state, "offload", None) is not None and state.offload.evicted
     }
@@ -24,7 +25,7 @@ def apply_(self: nn.Module, fn, recurse: bool = True):
         fn = _leaving_evicted_shards(fn, evicted)
     result = base_call(self, "_apply", fn, recurse)
     for attr, state in module_state(self).params.items():
-        param = self._parameters.get(attr)
+        param = own_parameters(self).get(attr)
         if param is None:
             continue
         if not isinstance(param, DTensor) or tuple(param.shape) != state.global_shape:

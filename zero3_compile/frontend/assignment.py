@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.modules import own_parameters
 from ..sharding.state import (
     ModuleState,
     ShardedParam,
@@ -103,7 +104,7 @@ def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
         if is_sharded_module(sub):
             continue
         own = {}
-        for attr, param in list(sub._parameters.items()):
+        for attr, param in list(own_parameters(sub).items()):
             if param is None:
                 continue
             shared = state_of(param) or states.get(id(param))
@@ -112,7 +113,7 @@ def shard_submodule(parent: nn.Module, name: str, child: nn.Module) -> None:
                 states[id(param)] = shared
             full_name = ".".join(p for p in (prefix, sub_prefix, attr) if p)
             shared.tied = shared.tied or shared.fqn != full_name
-            sub._parameters[attr] = shared.param
+            own_parameters(sub)[attr] = shared.param
             own[attr] = shared
         full_prefix = f"{prefix}.{sub_prefix}" if sub_prefix else prefix
         make_sharded(sub, ModuleState(params=own, root=root, prefix=full_prefix))

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from .._torch.dtensor import local_shard
+from .._torch.modules import own_parameters
 from ..sharding.spec import UNBOUND_ID
 from ..sharding.state import ModuleState, ShardedParam, ShardState, module_state, set_module_state
 from .module import Zero3Module
@@ -160,20 +161,20 @@ def _make_getter(attr: str, state: ShardedParam):
         "    if mode is not SHARDED:\n"
         "        if mode is KEPT_GATHERED:\n"
         "            kept = param_state.kept_full\n"
-        f"            if not self._parameters[{attr!r}].requires_grad:\n"
+        f"            if not own_parameters(self)[{attr!r}].requires_grad:\n"
         "                kept = kept.detach()\n"
         f"            return {tp(kept_expr)}\n"
         "        if mode is GATHERED:\n"
         f"            return {tp('param_state.kept_full')}\n"
         "        if mode is LOADING:\n"
-        f"            return self._parameters[{attr!r}]\n"
-        f"        if self._parameters[{attr!r}].requires_grad:\n"
+        f"            return own_parameters(self)[{attr!r}]\n"
+        f"        if own_parameters(self)[{attr!r}].requires_grad:\n"
         "            sink = param_state.grad_sink\n"
         "    if is_compiling():\n"
-        f"        shard = self._parameters[{attr!r}].to_local()\n"
+        f"        shard = own_parameters(self)[{attr!r}].to_local()\n"
         f"        full = unshard(shard, {UNBOUND_ID}, {state.spec.unbound_literal()!r}, sink)\n"
         f"        return {tp('full')}\n"
-        f"    shard = local_shard(self._parameters[{attr!r}])\n"
+        f"    shard = local_shard(own_parameters(self)[{attr!r}])\n"
         "    with param_state.root.active():\n"
         "        spec = param_state.spec.literal()\n"
         "        full = unshard(shard, param_state.param_id, spec, sink)\n"
@@ -185,6 +186,7 @@ def _make_getter(attr: str, state: ShardedParam):
         "unshard": torch.ops.zero3.unshard.default,
         "is_compiling": torch.compiler.is_compiling,
         "local_shard": local_shard,
+        "own_parameters": own_parameters,
         "gathered_parameter": gathered_parameter,
         "SHARDED": ShardState.SHARDED,
         "KEPT_GATHERED": ShardState.KEPT_GATHERED,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch.tensors import version
 from ..collectives.ops import UNSHARD
 from ..runtime.write_through import whole_parameter
 from ..sharding.state import ShardedParam, ShardState, state_of
@@ -180,7 +181,7 @@ def _take_modifiers_values(roots: dict, states: list[ShardedParam], modifier_ran
 
 def _fingerprint(full: torch.Tensor) -> tuple[int, int]:
     """What an in-place write (directly or through a view) or a ``.data`` swap changes."""
-    return full._version, full.data_ptr()
+    return version(full), full.data_ptr()
 
 
 def _check_same_writes(roots: dict, done: list[ShardedParam]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from .._torch.modules import own_children
 from ..sharding.state import ShardedParam, module_state
 
 
@@ -75,7 +76,7 @@ def check_leaf_modules(modules) -> list:
 def detected_leaves(model: nn.Module) -> list[nn.Module]:
     """Mixture-of-experts blocks: modules with a child named ``experts`` (Mixtral, Qwen2-MoE,
     DeepSeek, OLMoE, Switch, and most hand-written ones)."""
-    return [m for m in model.modules() if "experts" in m._modules]
+    return [m for m in model.modules() if "experts" in own_children(m)]
 
 
 def _leaf_enter(members):

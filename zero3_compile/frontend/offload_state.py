@@ -21,7 +21,7 @@ def install_offload_state_dict_hooks(model: nn.Module) -> None:
         if state is None or not state.params:
             continue
         module.register_state_dict_post_hook(_state_dict_copies)
-        module._register_load_state_dict_pre_hook(_load_into_offloaded, with_module=True)
+        module.register_load_state_dict_pre_hook(_load_into_offloaded)
     model.register_load_state_dict_post_hook(_store_after_load)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor
 from ..offload.deferred import wrapper_tensor
 from ..offload.grads import with_local
 
@@ -150,7 +151,7 @@ def open_window(state) -> None:
     if _pending_of(param) is not None:
         return
     grad = param.grad
-    base = None if grad is None else (grad._local_tensor if isinstance(grad, DTensor) else grad)
+    base = None if grad is None else (local_tensor(grad) if isinstance(grad, DTensor) else grad)
     local = state.local()
     cell = _Cell(state.fqn, base)
     pending = PendingGrad(cell, local.shape, local.dtype, local.device)
@@ -178,5 +179,5 @@ def apply_scalings(tensor: torch.Tensor, scalings: list[tuple[bool, float]]) -> 
 
 def _pending_of(param) -> PendingGrad | None:
     grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    local = local_tensor(grad) if isinstance(grad, DTensor) else grad
     return local if isinstance(local, PendingGrad) else None

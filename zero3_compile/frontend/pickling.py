@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .._torch.modules import own_parameters
 from ..sharding.mesh import DataParallelMesh
 from ..sharding.policy import MixedPrecision
 from ..sharding.state import (
@@ -51,7 +52,7 @@ def _setstate(self: nn.Module, state: dict) -> None:
     base.__setstate__(self, state) if hasattr(base, "__setstate__") else self.__dict__.update(state)
     set_module_state(self, own)
     self.__dict__.pop("_flat_weights", None)
-    for attr, param in self._parameters.items():
+    for attr, param in own_parameters(self).items():
         if param is not None:
             own.params[attr] = _unpickled_state(param, own, attr)
     reclass(self)

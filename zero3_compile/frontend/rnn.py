@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .._torch.modules import own_parameters, rnn_flat_weight_names
 from .classes import BASE, register_methods
 
 
@@ -13,8 +14,8 @@ def _rnn_flat_weights(self):
     if bound is not None:
         return bound
     return [
-        getattr(self, wn) if self._parameters.get(wn) is not None else None
-        for wn in self._flat_weights_names
+        getattr(self, wn) if own_parameters(self).get(wn) is not None else None
+        for wn in rnn_flat_weight_names(self)
     ]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .._torch.modules import own_children
 from ..sharding.state import ShardState, module_state
 from .leaves import close_scope, gather_members, open_scope
 
@@ -46,7 +47,7 @@ def unit_members(root: nn.Module) -> list[tuple]:
         state = module_state(module)
         if state is not None:
             members.extend((state, attr, module) for attr in state.params)
-        for child in module._modules.values():
+        for child in own_children(module).values():
             if child is None:
                 continue
             if _is_compiled(child):

@@ -20,6 +20,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor
+from .._torch.modules import own_parameters
 from ..offload.model import Offload, offload_model, open_store, spool_gradients
 from ..runtime.guard import DEFAULT_TIMEOUT_S, KIND_EAGER_GATHER, KIND_EAGER_REDUCE, describe
 from ..runtime.optimizers import mark_replaced, repoint_optimizers_holding, watch_optimizers
@@ -121,7 +123,7 @@ def shard(
     originals: list[weakref.ref] = []  # parameters replaced by new objects (see shard_parameter)
     for prefix, sub in module.named_modules():
         own = {}
-        for attr, param in list(sub._parameters.items()):
+        for attr, param in list(own_parameters(sub).items()):
             if param is None:
                 continue
             state = states.get(id(param))
@@ -131,7 +133,7 @@ def shard(
                 if state.param is not param:
                     originals.append(weakref.ref(param))
             state.tied = state.tied or canonical[id(param)] != f"{prefix}.{attr}".lstrip(".")
-            sub._parameters[attr] = state.param
+            own_parameters(sub)[attr] = state.param
             own[attr] = state
         owned.append((prefix, sub, own))
     param = None  # noqa: F841  (no reference of ours keeps an original alive)
@@ -182,7 +184,7 @@ def start_from_first_rank(module: nn.Module, named: list, dp: DataParallelMesh) 
         listed.append((name, tensor))
         if tensor.device.type != "meta":
             local = tensor.detach()
-            values.append(local._local_tensor if isinstance(local, DTensor) else local)
+            values.append(local_tensor(local) if isinstance(local, DTensor) else local)
     agree_on(dp, describe_tensors(listed), "parameters and buffers at zero3_compile.shard()")
     broadcast_from(values, dp, source_rank(dp, None))
 
@@ -208,7 +210,7 @@ def shard_parameter(
     full = param.detach()
     if isinstance(full, DTensor):  # tensor parallelism: shard its local tensor
         layout = TensorParallelLayout.of(fqn, full, root.dp.ranks)
-        full = full._local_tensor
+        full = local_tensor(full)
     elif tp_mesh is not None:
         layout = TensorParallelLayout.replicated(tp_mesh, full.shape)
     spec = root.dp.spec(fqn, full.shape, root.policy)

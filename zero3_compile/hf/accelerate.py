@@ -57,6 +57,7 @@ from accelerate.utils import (
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.distributed.tensor import DTensor
 
+from .._torch.dynamo import uncompiled
 from ..compiler.options import Options
 from ..frontend.accumulation import set_requires_gradient_sync
 from ..frontend.mixed_precision import MixedPrecision, set_mixed_precision
@@ -175,7 +176,7 @@ class Accelerator(accelerate.Accelerator):
         """Shard ``model`` (unless it is) and compile it with the zero3 backend."""
         if id(model) in self._zero3_bases:
             return model
-        base = getattr(model, "_orig_mod", model)
+        base = uncompiled(model)
         policy = self._zero3_policy()
         if not isinstance(base, Zero3Module):
             shard_kwargs = dict(self._zero3.shard) if self._zero3 else {}
@@ -517,7 +518,7 @@ def _parameter_names(args) -> dict[int, tuple]:
     for position, model in enumerate(args):
         if not isinstance(model, nn.Module):
             continue
-        base = getattr(model, "_orig_mod", model)
+        base = uncompiled(model)
         for name, param in base.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), (weakref.ref(param), position, name))
     return names
@@ -547,7 +548,7 @@ def _remapped(params, moved: dict[int, _Moved]):
 
 
 def _sharded_base(model) -> nn.Module | None:
-    base = getattr(model, "_orig_mod", model)
+    base = uncompiled(model)
     return base if isinstance(base, Zero3Module) else None
 
 
@@ -619,7 +620,7 @@ def accumulate(accelerator, model: nn.Module) -> Iterator[None]:
                 opt.zero_grad()
         ```
     """
-    base = getattr(model, "_orig_mod", model)
+    base = uncompiled(model)
     with accelerator.accumulate(base):
         sync = bool(accelerator.sync_gradients)
         set_requires_gradient_sync(base, sync)

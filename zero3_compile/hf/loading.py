@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.modules import own_parameters
 from ..frontend.loading import adopt, loading, sharded_states
 from ..frontend.shard import shard
 from ..offload import origins
@@ -383,13 +384,13 @@ def _initialize_module(module: nn.Module, init, is_custom_code: bool) -> None:
         temporaries[attr] = nn.Parameter(full, requires_grad=param_state.param.requires_grad)
         if attr not in missing:  # the guarded init functions leave it alone
             temporaries[attr]._is_hf_initialized = True
-    saved = {attr: module._parameters[attr] for attr in own}
-    module._parameters.update(temporaries)  # LOADING: reading module.<attr> gives these
+    saved = {attr: own_parameters(module)[attr] for attr in own}
+    own_parameters(module).update(temporaries)  # LOADING: reading module.<attr> gives these
     try:
         init(module, is_custom_code)
-        values = {attr: module._parameters[attr].detach() for attr in missing}
+        values = {attr: own_parameters(module)[attr].detach() for attr in missing}
     finally:
-        module._parameters.update(saved)
+        own_parameters(module).update(saved)
     for attr, param_state in missing.items():
         adopt(param_state, param_state.spec.chunk(values[attr], param_state.rank))
         param_state.param._is_hf_initialized = True

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch.dynamo import uncompiled
+from .._torch.modules import non_persistent_buffer_names, own_buffers, own_parameters
 from ..runtime.guard import DEFAULT_TIMEOUT_S
 from ..sharding.state import ShardedParam, state_of
 from .agreement import Agreement
@@ -48,7 +50,7 @@ def is_peft_model(model: nn.Module) -> bool:
         from peft import PeftModel
     except ImportError:
         return False
-    return isinstance(getattr(model, "_orig_mod", model), PeftModel)
+    return isinstance(uncompiled(model), PeftModel)
 
 
 def sharded_runtime(model: nn.Module):
@@ -98,7 +100,7 @@ def save_adapter(
     """
     from peft import get_peft_model_state_dict
 
-    model = getattr(model, "_orig_mod", model)
+    model = uncompiled(model)
     names = selected_adapters or list(model.peft_config)
     # which tensors peft saves, asked with stand-ins on the meta device (nothing gathered yet)
     values = dict(_named_tensors(model))
@@ -142,11 +144,11 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, object]]:
     gathered); a tied parameter under each of its names."""
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if param is not None:
                 yield dot + name, state_of(param) or param
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
+        for name, buffer in own_buffers(module).items():
+            if buffer is not None and name not in non_persistent_buffer_names(module):
                 yield dot + name, buffer
 
 

@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.dynamo import uncompiled
+from .._torch.modules import non_persistent_buffer_names, own_buffers, own_parameters
 from ..collectives.ops import UNSHARD
 from ..runtime.guard import DEFAULT_TIMEOUT_S
 from ..sharding.state import ShardedParam, state_of
@@ -70,7 +72,7 @@ def save_pretrained(
     from .peft import is_peft_model, save_adapter
 
     save_directory = os.fspath(save_directory)
-    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: the model it holds
+    model = uncompiled(model)  # a torch.compile wrapper: the model it holds
     merged = None
     if is_peft_model(model):
         if not merge_adapters:
@@ -177,11 +179,11 @@ def _entries(model: nn.Module) -> dict:
     entries = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if param is not None:
                 entries[dot + name] = state_of(param) or param
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
+        for name, buffer in own_buffers(module).items():
+            if buffer is not None and name not in non_persistent_buffer_names(module):
                 entries[dot + name] = buffer
     return entries
 

@@ -43,6 +43,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
+from .._torch.dynamo import uncompiled
 from ..frontend.gathered import gathered
 from ..frontend.mixed_precision import set_mixed_precision
 from ..frontend.shard import shard
@@ -143,7 +144,7 @@ def adopt_reference(trainer) -> None:
     ref = getattr(trainer, "ref_model", None)
     if not isinstance(ref, nn.Module):
         return
-    model = getattr(ref, "_orig_mod", ref)
+    model = uncompiled(ref)
     setup = trainer._zero3
     runtime = sharded_runtime(model)
     if runtime is None:
@@ -158,7 +159,7 @@ def adopt_reference(trainer) -> None:
 def is_reference_sharded(trainer) -> bool:
     """Every parameter of the trainer's reference model is a shard (for tests and checks)."""
     ref = getattr(trainer, "ref_model", None)
-    return ref is not None and sharded_runtime(getattr(ref, "_orig_mod", ref)) is not None
+    return ref is not None and sharded_runtime(uncompiled(ref)) is not None
 
 
 # --------------------------------------------------------------------------- generation
@@ -172,7 +173,7 @@ def for_generation(model: nn.Module, gather: bool) -> Iterator[None]:
     Inside an accumulation window (gradient sync off, ``z3.set_requires_gradient_sync``) sync is
     turned on for the generation when no gradient is pending yet (a generation at the start of
     an optimizer step, as GRPO's); with gradients pending the model is not gathered."""
-    model = getattr(model, "_orig_mod", model)
+    model = uncompiled(model)
     if not gather:
         yield
         return

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .._torch.modules import own_parameters
 from ..frontend.broadcast import broadcast_from, source_rank
 from ..frontend.classes import base_class
 from ..offload.model import register_loaded
@@ -132,7 +133,7 @@ def _materialize_module(
     }
     # run the initialiser on a plain module holding full-size parameters
     module.__class__ = base
-    module._parameters.update(full)
+    own_parameters(module).update(full)
     try:
         with torch.no_grad():
             if init_fn is not None:
@@ -145,8 +146,8 @@ def _materialize_module(
                     "init_fn to zero3_compile.materialize"
                 )
     finally:
-        values = {name: module._parameters[name].detach() for name in own}
-        module._parameters.update(own)
+        values = {name: own_parameters(module)[name].detach() for name in own}
+        own_parameters(module).update(own)
         module.__class__ = swapped_class
     root = state.root
     if root.sync_module_states:  # the first rank's initial values on every rank
@@ -159,7 +160,7 @@ def _own_sharded(module: nn.Module) -> dict[str, nn.Parameter]:
     """The module's own sharded parameters, by attribute name."""
     return {
         name: param
-        for name, param in module._parameters.items()
+        for name, param in own_parameters(module).items()
         if param is not None and state_of(param) is not None
     }
 

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor, spec_of
+from .._torch.fx import schema_of
 from .._torch.pytree import tree_flatten, tree_map
 from .._torch.tensors import allow_foreach, make_wrapper_subclass
 
@@ -177,7 +179,7 @@ def _holds_live(tree) -> bool:
 def written_arguments(func, args, kwargs) -> list:
     """The tensors an operation writes (its schema's mutable arguments), lists flattened."""
     written = []
-    for index, argument in enumerate(func._schema.arguments):
+    for index, argument in enumerate(schema_of(func).arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         if argument.kwarg_only or index >= len(args):
@@ -239,13 +241,13 @@ class OffloadedDTensor(DTensor):
         values = self.__dict__.get(_VALUES)
         if values is None or not values.evicted():
             return None
-        return DTensor(LiveTensor(values), self._spec, requires_grad=False)
+        return DTensor(LiveTensor(values), spec_of(self), requires_grad=False)
 
     def _zero3_alias(self) -> OffloadedDTensor:
         """``detach()``, ``.data``, ``view_as(self)``: another ``OffloadedDTensor`` of the same
         values (a ``Parameter`` made from one must be of its class; a compiled graph traced
         over one takes one)."""
-        alias = DTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
+        alias = DTensor(local_tensor(self).detach(), spec_of(self), requires_grad=False)
         alias.__class__ = OffloadedDTensor
         values = self.__dict__.get(_VALUES)
         if values is not None:
@@ -265,7 +267,9 @@ class OffloadedDTensor(DTensor):
                 return value
             live = value._zero3_live()
             if live is None:
-                live = DTensor(value._local_tensor, value._spec, requires_grad=value.requires_grad)
+                live = DTensor(
+                    local_tensor(value), spec_of(value), requires_grad=value.requires_grad
+                )
             originals[id(live)] = value
             return live
 
@@ -308,8 +312,8 @@ class OffloadedDTensor(DTensor):
         if live is None:
             return DTensor.__repr__(self)
         return (
-            f"DTensor(local_tensor={live._local_tensor!r}, device_mesh={self._spec.mesh}, "
-            f"placements={self._spec.placements})"
+            f"DTensor(local_tensor={local_tensor(live)!r}, device_mesh={spec_of(self).mesh}, "
+            f"placements={spec_of(self).placements})"
         )
 
     def _zero3_copy(self) -> DTensor:
@@ -319,9 +323,9 @@ class OffloadedDTensor(DTensor):
             if values is not None and values.evicted():
                 local = values.read()
             else:
-                local = self._local_tensor.clone()
-        copy = DTensor(local, self._spec, requires_grad=False)
-        if getattr(self, "_is_param", False):
+                local = local_tensor(self).clone()
+        copy = DTensor(local, spec_of(self), requires_grad=False)
+        if isinstance(self, torch.nn.Parameter):  # a Parameter of this subclass
             return torch.nn.Parameter(copy, requires_grad=self.requires_grad)
         return copy.requires_grad_(self.requires_grad)
 

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .._torch.dtensor import local_tensor
+from .._torch.fx import schema_of
 from .._torch.pytree import tree_leaves, tree_map
 from .._torch.tensors import make_wrapper_subclass
 from .store import Region, read_target
@@ -129,7 +131,7 @@ class StoredTensor(RegionTensor):
 
     @classmethod
     def _operate(cls, func, args, kwargs):
-        for index, argument in enumerate(func._schema.arguments):
+        for index, argument in enumerate(schema_of(func).arguments):
             written = argument.alias_info is not None and argument.alias_info.is_write
             value = args[index] if index < len(args) else kwargs.get(argument.name)
             if written and isinstance(value, StoredTensor):
@@ -148,9 +150,9 @@ def materialized(value):
     """``value`` read into memory if it is a ``StoredTensor`` (or a DTensor holding one)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, StoredTensor):
+    if isinstance(value, DTensor) and isinstance(local_tensor(value), StoredTensor):
         return DTensor.from_local(
-            value._local_tensor.materialize(),
+            local_tensor(value).materialize(),
             value.device_mesh,
             value.placements,
             run_check=False,
@@ -168,7 +170,7 @@ def holds_deferred(state) -> bool:
 
     return any(
         isinstance(v, StoredTensor)
-        or (isinstance(v, DTensor) and isinstance(v._local_tensor, StoredTensor))
+        or (isinstance(v, DTensor) and isinstance(local_tensor(v), StoredTensor))
         for v in tree_leaves(state)
     )
 

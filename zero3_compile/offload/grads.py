@@ -38,6 +38,7 @@ from concurrent.futures import Future
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor
 from .._torch.pytree import tree_map
 from .._torch.tensors import storage_key
 from .access import written_arguments
@@ -496,7 +497,7 @@ def _spool_accumulated(state):
         # are elsewhere until they are reduced (and spooled then)
         if grad is None or not state.requires_sync:
             return
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local = local_tensor(grad) if isinstance(grad, DTensor) else grad
         if isinstance(local, SpooledGrad):
             return
         spooled_by_hook += 1
@@ -529,7 +530,7 @@ def _hook(param, hook) -> None:
 def spooled(param) -> SpooledGrad | None:
     """The ``SpooledGrad`` of ``param.grad``, or None."""
     grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    local = local_tensor(grad) if isinstance(grad, DTensor) else grad
     return local if isinstance(local, SpooledGrad) else None
 
 

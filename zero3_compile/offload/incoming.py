@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .._torch.dtensor import local_tensor
 from .deferred import RegionTensor, Switch, wrapper_tensor
 from .store import ALIGN, Region, read_target
 
@@ -67,7 +68,7 @@ def incoming(value) -> IncomingTensor | None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        value = value._local_tensor
+        value = local_tensor(value)
     return value if isinstance(value, IncomingTensor) else None
 
 

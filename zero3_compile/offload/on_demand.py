@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor, spec_of
 from ..sharding.state import ShardState, state_of
 from .access import LiveTensor
 from .model import agree
@@ -113,14 +114,14 @@ def _move_out(parking, states, optimizer, kinds, device, path, pin_memory, non_b
     if "grads" in kinds:
         for state in states:
             grad = state.param.grad
-            if isinstance(grad, DTensor) and _movable(grad._local_tensor, device):
+            if isinstance(grad, DTensor) and _movable(local_tensor(grad), device):
                 parked = parking.park(("grad", state), grad, device, path, pin_memory, non_blocking)
                 state.param.grad = parked
                 moved.append(grad.device)
     if "optim_states" in kinds and optimizer is not None and not _offloaded(optimizer):
         for param, entry in _optimizer_entries(optimizer, states):
             for key, value in list(entry.items()):
-                if isinstance(value, DTensor) and _movable(value._local_tensor, device):
+                if isinstance(value, DTensor) and _movable(local_tensor(value), device):
                     handle = ("state", weakref.ref(optimizer), state_of(param), key)
                     entry[key] = parking.park(handle, value, device, path, pin_memory, non_blocking)
                     moved.append(value.device)
@@ -266,7 +267,7 @@ class _Parking:
     def park(self, handle, value: DTensor, device, path, pin_memory, non_blocking) -> DTensor:
         """``value``'s values into a region; the ``DTensor`` that stands for them."""
         store = self.store(device, path, pin_memory)
-        local = value._local_tensor.detach().contiguous()
+        local = local_tensor(value).detach().contiguous()
         nbytes = local.numel() * local.element_size()
         region = self.regions.get(handle)
         if region is None or region.nbytes != nbytes or not _in(store, region):
@@ -274,7 +275,7 @@ class _Parking:
         store.write_current(region, local, non_blocking=non_blocking)
         name = "gradient" if handle[0] == "grad" else f"optimizer state {handle[-1]!r}"
         values = _ParkedValues(store, region, local, name)
-        standing = DTensor(LiveTensor(values), value._spec, requires_grad=False)
+        standing = DTensor(LiveTensor(values), spec_of(value), requires_grad=False)
         self.parked[handle] = _Parked(standing, values)
         return standing
 
@@ -286,7 +287,7 @@ def _in(store, region: Region) -> bool:
 
 def _put_back(handle, parked: _Parked, restored: torch.Tensor) -> None:
     """The restored values where the standing tensor is (unless something replaced it)."""
-    value = DTensor(restored, parked.standing._spec, requires_grad=False)
+    value = DTensor(restored, spec_of(parked.standing), requires_grad=False)
     if handle[0] == "grad":
         param = handle[1].param
         if param.grad is parked.standing:
@@ -355,7 +356,7 @@ def _parking(states, create: bool = True) -> _Parking | None:
 
 
 def _local(param) -> torch.Tensor:
-    return param._local_tensor if isinstance(param, DTensor) else param
+    return local_tensor(param) if isinstance(param, DTensor) else param
 
 
 def _movable(local: torch.Tensor, device: str) -> bool:

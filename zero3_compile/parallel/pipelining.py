@@ -29,6 +29,7 @@ import sys
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
+from .._torch.dynamo import uncompiled
 from ..frontend.accumulation import discard_pending, set_requires_gradient_sync
 from ..frontend.classes import is_sharded_module
 
@@ -119,7 +120,7 @@ def _splits_backward(pipeline_order) -> bool:
 
 
 def _sharded_root(submodule: nn.Module) -> nn.Module:
-    module = getattr(submodule, "_orig_mod", submodule)
+    module = uncompiled(submodule)
     if not is_sharded_module(module):
         raise ValueError(
             "zero3: zero3_compile.parallel.PipelineStage takes a stage module sharded with "

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch.dynamo import uncompiled
 from ..frontend.loading import resting_states
 from .gather import GatheredBucket
 from .plan import Entry, full_of_tensor, plan
@@ -55,7 +56,7 @@ def iter_full_parameters(
         llm_weights[name].copy_(tensor)  # every rank, in the same order
     ```
     """
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
+    model = uncompiled(model)  # a torch.compile'd model: its module
     resting_states(
         model, "iter_full_parameters()", "turn gradient sync back on and leave z3.gathered() first"
     )

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._torch.modules import non_persistent_buffer_names, own_buffers, own_parameters
 from ..sharding.state import ShardedParam, state_of
 
 LORA_MODES = ("merged", "adapter", "base")
@@ -42,11 +43,11 @@ def state_entries(model: nn.Module) -> list[tuple[str, Any]]:
     found = []
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if param is not None:
                 found.append((dot + name, state_of(param) or param))
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
+        for name, buffer in own_buffers(module).items():
+            if buffer is not None and name not in non_persistent_buffer_names(module):
                 found.append((dot + name, buffer))
     return found
 

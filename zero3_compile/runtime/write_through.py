@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._torch.dtensor import local_tensor
 from .._torch.pytree import tree_flatten, tree_map
-from .._torch.tensors import disable_torch_function_subclass
+from .._torch.tensors import disable_torch_function_subclass, version
 from ..sharding.state import ShardedParam
 
 
@@ -107,7 +108,7 @@ def _eager_torch_function(func, args, kwargs):
         value = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
         args[0]._zero3_link.state.param.requires_grad_(value)
         return args[0] if func is torch.Tensor.requires_grad_ else None
-    versions = {key: link.root._version for key, link in links.items()}
+    versions = {key: version(link.root) for key, link in links.items()}
     # ``.data`` views have a version counter of their own: name the in-place ops as well
     target = args[0] if args and isinstance(args[0], GatheredParameter) else None
     in_place = target is not None and _writes_in_place(func)
@@ -118,7 +119,7 @@ def _eager_torch_function(func, args, kwargs):
             target._zero3_link.root.copy_(args[1])
         in_place = True
     for key, link in links.items():
-        if link.root._version != versions[key] or (in_place and target._zero3_link is link):
+        if version(link.root) != versions[key] or (in_place and target._zero3_link is link):
             link.write_back()
     if not links:
         return out
@@ -159,7 +160,7 @@ def whole_parameter(value) -> torch.Tensor | None:
     """The sharded parameter ``value`` is the whole eager read of (``module.weight``, not a view
     of it; also under its tensor-parallel ``DTensor``); None for anything else."""
     if isinstance(value, GatheredDTensor):
-        value = value._local_tensor
+        value = local_tensor(value)
     if isinstance(value, GatheredParameter) and value.__dict__.get(_WHOLE):
         return value._zero3_link.state.param
     return None
@@ -181,15 +182,15 @@ class GatheredDTensor(DTensor):
         flat, _ = tree_flatten((args, kwargs))
         with disable_torch_function_subclass():  # reading attributes would come back here
             links = [
-                (t, t._local_tensor._zero3_link)
+                (t, local_tensor(t)._zero3_link)
                 for t in flat
-                if isinstance(t, GatheredDTensor) and isinstance(t._local_tensor, GatheredParameter)
+                if isinstance(t, GatheredDTensor) and isinstance(local_tensor(t), GatheredParameter)
             ]
             if _descriptor_access(func) == ("grad", "__get__") and links:
                 return links[0][1].state.param.grad
-            versions = [t._version for t, _ in links]
+            versions = [version(t) for t, _ in links]
             out = func(*args, **kwargs)
-            changed = [link for (t, link), v in zip(links, versions) if t._version != v]
+            changed = [link for (t, link), v in zip(links, versions) if version(t) != v]
         for link in changed:
             link.write_back()
         return out
@@ -198,6 +199,6 @@ class GatheredDTensor(DTensor):
 def gathered_tp(value):
     """``value`` (the TP-wrapped gathered tensor, or the plain one) with write-through; the same
     tensor object, so its autograd history (eager training) is kept."""
-    if type(value) is DTensor and isinstance(value._local_tensor, GatheredParameter):
+    if type(value) is DTensor and isinstance(local_tensor(value), GatheredParameter):
         value.__class__ = GatheredDTensor
     return value

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._torch.dtensor import concatenate_meshes, strided_shard
+from .._torch.dtensor import concatenate_meshes, local_tensor, strided_shard
 from .mesh import contiguous_stride
 
 
@@ -71,7 +71,7 @@ class TensorParallelLayout:
                 "apply parallelize_module with mesh['tp'] and pass shard(mesh=mesh['dp']) of the "
                 "same init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
             )
-        if not param._local_tensor.is_contiguous():
+        if not local_tensor(param).is_contiguous():
             raise ValueError(
                 f"zero3: parameter {name!r} has a non-contiguous local tensor; make it "
                 "contiguous before zero3_compile.shard"

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from ..._torch.checkpoint import metadata_path
+
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata only: its dataclasses, torch sizes and dtypes, paths."""
@@ -45,7 +47,7 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose metadata load cannot run arbitrary code."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+        with self.fs.create_stream(metadata_path(self, kwargs.get("rank")), "rb") as stream:
             metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta

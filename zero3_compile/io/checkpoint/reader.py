@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from ..._torch.dtensor import local_tensor
 from ...cluster import agree
 from ...offload.incoming import IncomingWrites, incoming
 from . import hashing
@@ -249,7 +250,7 @@ def verifies_on_read(state: dict[str, Any]) -> bool:
     in_memory = 0
     for value in tree_leaves(state):
         if isinstance(value, torch.Tensor) and incoming(value) is None:
-            local = value._local_tensor if isinstance(value, DTensor) else value
+            local = local_tensor(value) if isinstance(value, DTensor) else value
             in_memory += local.numel() * local.element_size()
     return all(agree(in_memory <= STAGED_MAX))
 

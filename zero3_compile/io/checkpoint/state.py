@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from ..._torch.checkpoint import no_optimizer_state_init
+from ..._torch.modules import own_parameters
 from ...frontend.loading import loading
 from ...offload.deferred import deferred_reads, materialized
 from ...offload.incoming import incoming_loads
@@ -91,7 +92,7 @@ def shard_reads(stages: StageModules):
             scoped.append((module, state))
     try:
         for module, state in scoped:
-            state.scope = {attr: module._parameters[attr] for attr in state.params}
+            state.scope = {attr: own_parameters(module)[attr] for attr in state.params}
         yield
     finally:
         for _, state in scoped:

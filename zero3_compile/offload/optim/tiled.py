@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..._torch.dtensor import local_tensor
 from ...sharding.state import state_of
 from ..access import make_offloaded
 from ..deferred import StoredTensor, reads_deferred
@@ -80,7 +81,7 @@ class OptimizerOffload:
             for param in group["params"]:
                 for key, value in self.optimizer.state.get(param, {}).items():
                     if isinstance(value, DTensor) and (id(param), key) in self.regions:
-                        make_offloaded(value, _StateValues(self, param, key, value._local_tensor))
+                        make_offloaded(value, _StateValues(self, param, key, local_tensor(value)))
 
     def _offloadable(self, param) -> dict[str, torch.Tensor]:
         """The param's state tensors that go to the store, as local (per-rank) tensors."""

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..._torch.dtensor import local_tensor
+
 # optimizers whose update of an element reads only that element's gradient and state (and
 # per-parameter scalars): a parameter can step in pieces with the same result
 ELEMENTWISE = (
@@ -118,5 +120,5 @@ class Undo:
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (what the store holds), outside autograd."""
     if isinstance(tensor, DTensor):
-        return tensor._local_tensor.detach()
+        return local_tensor(tensor).detach()
     return tensor.detach()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..._torch.dynamo import compiled_function_original, inner_backend, uncompiled
 from ..._torch.pytree import tree_leaves
 from ...compiler.options import Options
 from ...compiler.recording import record_graphs
@@ -119,7 +120,9 @@ def explain(
     """
     from ...compiler.backend import zero3_backend
 
-    base = getattr(model, "_orig_mod", None) or getattr(model, "_torchdynamo_orig_callable", model)
+    base = uncompiled(model)
+    if base is model:
+        base = compiled_function_original(model) or model
     grads = {p: p.grad for p in _sharded_parameters_of(base)}
     if options is None and _zero3_wrapper(model) is not None and not _ever_compiled(list(grads)):
         # its own backend: the graphs compiled here are the ones the training runs next
@@ -319,7 +322,7 @@ def _zero3_wrapper(model):
     import inspect
 
     callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
-    if callback is None and callable(model) and hasattr(model, "_torchdynamo_orig_callable"):
+    if callback is None and callable(model) and compiled_function_original(model) is not None:
         try:
             callback = inspect.getclosurevars(model).nonlocals.get("callback")
         except TypeError:
@@ -327,9 +330,7 @@ def _zero3_wrapper(model):
     for _ in range(8):
         if getattr(callback, "compiler_name", None) in ("zero3", "zero3_backend"):
             return callback
-        callback = getattr(callback, "_torchdynamo_orig_backend", None) or getattr(
-            callback, "_torchdynamo_orig_callable", None
-        )
+        callback = inner_backend(callback)
         if callback is None:
             return None
     return None
