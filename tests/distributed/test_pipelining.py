@@ -23,7 +23,7 @@ from zero3_compile.compiler.recording import record_graphs
 from zero3_compile.parallel import PipelineStage as Zero3Stage
 from zero3_compile.parallel import clip_grad_norm_
 
-from ..support.dist_utils import run_scenarios
+from ..support.dist_utils import run_ranks, run_scenarios
 from ..support.paths import ROOT
 from ..support.tp_models import SPLITS, Part, TinyLlama, TinyLlamaConfig, llama_batch
 from ..support.training import full_optimizer_state, rel_diff
@@ -334,9 +334,21 @@ V_SCHEDULES_ON_GLOO = tuple(int(v) for v in torch.__version__.split(".")[:2]) >=
 RUN_SPLIT = [c for c in SPLIT if V_SCHEDULES_ON_GLOO or c[1] == "ScheduleInterleavedZeroBubble"]
 
 
+# the checkpoint's save and loads, keyed without their folder (the launch's own temporary one)
+CHECKPOINT = [("pp_save",), ("pp_load", "dp4"), ("pp_load", "interleaved")]
+
+
 @functools.cache
 def results():
-    return run_scenarios(_scenario, 4, CASES + CLIPPED + RUN_SPLIT + [("refused",)], timeout=1500)
+    """Every (pp 2, dp 2) scenario in one launch, the checkpoint's save before its loads."""
+    folder = tempfile.mkdtemp(prefix="z3-pp-ckpt-")
+    try:
+        saved = [(name, folder, *args) for name, *args in CHECKPOINT]
+        cases = CASES + CLIPPED + RUN_SPLIT + [("refused",)] + saved
+        out = run_scenarios(_scenario, 4, cases, timeout=1500)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {(k[0], *k[2:]) if k in saved else k: v for k, v in out.items()}
 
 
 # pp 2 x dp 1 (2 ranks): zero3 stages over a one-rank data-parallel group
@@ -432,53 +444,63 @@ def test_split_backward_schedules_are_refused_with_the_fix():
             assert "torch.distributed.pipelining.PipelineStage" in message, message
 
 
+def example_3d(rank, world) -> str:
+    """``examples/parallel_3d.py`` as torchrun would run it, in this rank's process (forked from
+    the suite's fork server: no interpreter start and imports per rank, 8 of them on 2 cores):
+    what it printed."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    import torch.distributed as dist
+
+    path = os.path.join(ROOT, "examples", "parallel_3d.py")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # torchrun --nproc-per-node 8: one node
+    init, destroy, argv = dist.init_process_group, dist.destroy_process_group, sys.argv
+    dist.init_process_group = lambda *a, **k: None  # torchrun's group: the one made already
+    dist.destroy_process_group = lambda *a, **k: None
+    sys.argv = [path]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(path, run_name="__main__")
+    finally:
+        dist.init_process_group, dist.destroy_process_group, sys.argv = init, destroy, argv
+    return printed.getvalue()
+
+
 def test_the_3d_example_trains_like_eager():
     """examples/parallel_3d.py (pipeline x zero3 x tensor + sequence parallel, compiled, clipped
     by the norm of both stages' gradients) on 8 ranks as (pp 2, dp 2, tp 2): every step's
     gradient norm and parameters equal the unsharded model's."""
     import re
-    import subprocess
-    import sys
 
-    root = ROOT
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "8", os.path.join(root, "examples", "parallel_3d.py")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    norms = re.findall(r"grad norm (\S+) \(eager (\S+)\)", done.stdout)
-    apart = [float(x) for x in re.findall(r"max \|param - eager\| (\S+)", done.stdout)]
-    assert len(apart) == len(norms) == 6, done.stdout  # 3 steps, 2 stages
+    stdout = "".join(run_ranks(example_3d, 8, timeout=900))
+    norms = re.findall(r"grad norm (\S+) \(eager (\S+)\)", stdout)
+    apart = [float(x) for x in re.findall(r"max \|param - eager\| (\S+)", stdout)]
+    assert len(apart) == len(norms) == 6, stdout  # 3 steps, 2 stages
     for ours, eager in norms:
         assert float(eager) > 0.5  # the example's max_norm: clipping is active
-        assert abs(float(ours) - float(eager)) <= 1e-5 * float(eager), done.stdout
-    assert max(apart) <= 1e-5, done.stdout
+        assert abs(float(ours) - float(eager)) <= 1e-5 * float(eager), stdout
+    assert max(apart) <= 1e-5, stdout
 
 
 def test_pipeline_checkpoint_loads_without_the_pipeline_and_at_another_stage_count():
     """Stage modules saved at (pp 2, dp 2) under the whole model's names: the checkpoint loads
     into the whole model sharded over 4 ranks and into 4 interleaved stages, bit-exact."""
-    folder = tempfile.mkdtemp(prefix="z3-pp-ckpt-")
-    try:
-        cases = [
-            ("pp_save", folder),
-            ("pp_load", folder, "dp4"),
-            ("pp_load", folder, "interleaved"),
-        ]
-        out = run_scenarios(_scenario, 4, cases, timeout=900)
-        saved = {"params": {}, "optim": {}}
-        for r in out[cases[0]]:
-            saved["params"].update(r["params"])
-            saved["optim"].update(r["optim"])
-        assert len(saved["params"]) == 21
-        for case in cases[1:]:
-            loaded = {"params": {}, "optim": {}}
-            for r in out[case]:
-                loaded["params"].update(r["params"])
-                loaded["optim"].update(r["optim"])
-            for kind in ("params", "optim"):
-                assert loaded[kind].keys() == saved[kind].keys(), (case, kind)
-                for key, value in saved[kind].items():
-                    assert torch.equal(loaded[kind][key], value), (case, key)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    out = results()
+    saved = {"params": {}, "optim": {}}
+    for r in out[CHECKPOINT[0]]:
+        saved["params"].update(r["params"])
+        saved["optim"].update(r["optim"])
+    assert len(saved["params"]) == 21
+    for case in CHECKPOINT[1:]:
+        loaded = {"params": {}, "optim": {}}
+        for r in out[case]:
+            loaded["params"].update(r["params"])
+            loaded["optim"].update(r["optim"])
+        for kind in ("params", "optim"):
+            assert loaded[kind].keys() == saved[kind].keys(), (case, kind)
+            for key, value in saved[kind].items():
+                assert torch.equal(loaded[kind][key], value), (case, key)
