@@ -183,8 +183,16 @@ CASES = [
 
 
 @functools.cache
+def _folder() -> str:
+    return tempfile.mkdtemp(prefix="zero3-hsdp-ckpt-")
+
+
+@functools.cache
 def results():
-    return run_scenarios(_scenario, 4, CASES + [("bad_meshes",)], timeout=1500)
+    # the checkpoint saved on 2x2 and loaded on 1x4 (4 ranks too) after the training
+    saving = [("save_2x2", _folder()), ("load", _folder(), (1, 4))]
+    out = run_scenarios(_scenario, 4, CASES + [("bad_meshes",)] + saving, timeout=1500)
+    return {(k[0], *k[2:]) if k in saving else k: v for k, v in out.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[1:]))
@@ -260,15 +268,16 @@ def test_bad_meshes_are_refused_with_the_fix():
 
 @functools.cache
 def checkpoints():
-    folder = tempfile.mkdtemp(prefix="zero3-hsdp-ckpt-")
+    """Saved on 2x2 (4 ranks), loaded on (1, 4) in the same launch, on (1, 3) and (2, 1) by
+    launches of their own world sizes."""
     try:
-        saved = run_ranks(save_2x2, 4, folder, timeout=600)[0]
-        loaded = {
-            shape: run_ranks(load, shape[0] * shape[1], folder, shape, timeout=600)
-            for shape in ((1, 3), (1, 4), (2, 1))
-        }
+        out = results()
+        saved = out[("save_2x2",)][0]
+        loaded = {(1, 4): out[("load", (1, 4))]}
+        for shape in ((1, 3), (2, 1)):
+            loaded[shape] = run_ranks(load, shape[0] * shape[1], _folder(), shape, timeout=600)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(_folder(), ignore_errors=True)
     return saved, loaded
 
 
