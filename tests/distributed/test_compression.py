@@ -520,7 +520,7 @@ def llama_explained(rank, world, name, codegen="eager"):
     reduce_errors = [info.quantization_error for g in report.graphs for info in g.reductions]
     forward = next(g for g in report.graphs if g.kind == "forward")
     losses, ref_losses = _train_llama(step, model, reference, tokens, targets, rank, world)
-    return {
+    out = {
         "graphs": graphs,
         "groups": groups,
         "errors": errors,
@@ -533,6 +533,11 @@ def llama_explained(rank, world, name, codegen="eager"):
         "peak": report.estimated_step_peak_bytes,
         "shards": [p.to_local().detach().clone() for p in model.parameters()],
     }
+    if name == "none":  # the profiler test's uncompressed step: these graphs, warm
+        mine = (tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        out["profile"] = _profile_step(step, mine, report)
+        model.zero_grad()
+    return out
 
 
 def hybrid(rank, world, name):
@@ -592,11 +597,14 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-def hpz_variant(rank, world, variant, name, layers=2, steps=3):
+def hpz_variant(rank, world, variant, name, layers=None, steps=3):
     """The tiny Llama with or without hpZ (``name``), ``variant``: "ckpt" (each block
     activation-checkpointed), "offload" (shards on disk), "bf16" (mixed precision), "hybrid"
     (a (replicate 2, shard world/2) mesh). Losses, full parameters (rank 0), backward bytes per
-    group and shard reads."""
+    group and shard reads. Two blocks for "ckpt" (its test reads the second block's names), one
+    for the others (compile time)."""
+    if layers is None:
+        layers = 2 if variant == "ckpt" else 1
     import tempfile
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -645,10 +653,6 @@ def profiled(rank, world, name):
     """One step of the tiny Llama under ``torch.profiler``: the collectives the process groups
     ran (their ``c10d::`` operators, bytes of their tensors), beside what ``explain`` reports
     from the graphs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from bench.harness.comm import from_profile
-
     options = {"codegen": "eager", "quantization_block": 64, **COMPRESSED[name]}
     torch.manual_seed(0)
     config = TinyLlamaConfig(dim=32, hidden=64, n_layers=2)
@@ -658,6 +662,15 @@ def profiled(rank, world, name):
     mine = (tokens[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
     report = z3.explain(step, mine[0])
     llama_loss(step, mine).backward()  # compiled and warm
+    return _profile_step(step, mine, report)
+
+
+def _profile_step(step, mine, report) -> dict:
+    """One step of the compiled (and warm) ``step`` under the profiler, beside ``report``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.harness.comm import from_profile
+
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         llama_loss(step, mine).backward()
     return {
@@ -686,7 +699,8 @@ GPT_CASES += [("gpt", "both", "inductor")]
 NAMES = ("none", "qwz", "qgz8", "qgz4", "hpz", "hpz_qwz")
 LLAMA_CASES = [("llama_explained", name) for name in NAMES] + [("gpt", "hpz", "inductor")]
 HYBRID_CASES = [("hybrid", n) for n in ("none", "qgz8", "qgz4")] + [("hpz_errors",)]
-PROFILED = [("profiled", name) for name in ("none", "zeropp")]
+# the uncompressed step's profile: llama_explained's (the same graphs, compiled once)
+PROFILED = [("profiled", "zeropp")]
 PROFILED += [("in_nodes", "llama_explained", "qgz4", codegen) for codegen in ("eager", "inductor")]
 HPZ_VARIANTS = [("hpz_variant", v, n) for v in ("ckpt", "offload", "bf16") for n in ("none", "hpz")]
 
@@ -835,8 +849,12 @@ def test_the_profiler_sees_the_bytes_explain_reports():
     forward's int8 all-gathers, the backward's re-gathers within the node, the gradients' int4
     all-to-all)."""
     out = llama_results()
-    for name in ("none", "zeropp"):
-        for r in out[("profiled", name)]:
+    runs = {
+        "none": [r["profile"] for r in out[("llama_explained", "none")]],
+        "zeropp": out[("profiled", "zeropp")],
+    }
+    for name, per_rank in runs.items():
+        for r in per_rank:
             profiled: dict[str, int] = {}
             for kind, size in r["profiled"]:
                 kind = "all_gather" if kind == "all_gather" else "reduction"
@@ -849,7 +867,7 @@ def test_the_profiler_sees_the_bytes_explain_reports():
                 kinds = {kind for kind, _ in r["profiled"]}
                 assert kinds == {"all_gather", "all_reduce", "c10d::alltoall_base_"}, kinds
                 assert set(r["groups"]["backward"]) == {"node", "across_nodes"}
-    plain, zeropp = out[("profiled", "none")][0], out[("profiled", "zeropp")][0]
+    plain, zeropp = runs["none"][0], runs["zeropp"][0]
     forward = plain["collectives"]["forward"]["all_gather"]["bytes"]
     assert zeropp["collectives"]["forward"]["all_gather"]["bytes"] < 0.3 * forward
     gradients = plain["collectives"]["backward"]["reduce_scatter"]["bytes"]
