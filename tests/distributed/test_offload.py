@@ -676,6 +676,35 @@ def _allocator_env(**settings: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in glibc_own} | settings
 
 
+def _python_all(code: str, envs: dict) -> dict:
+    """``python -c code`` in each environment of ``envs`` (name: environment), all started at
+    once (each spends seconds importing torch); name: the finished process (returncode, stdout,
+    stderr)."""
+    import subprocess
+    import sys
+
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, env in envs.items()
+    }
+    done = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return done
+
+
 def test_the_first_offloaded_step_gives_freed_host_memory_back():
     """The first step creates each piece's optimizer state (two 19 MiB tensors that live until
     the piece is written) between small tensors that live on. Under glibc's moving mmap
@@ -714,21 +743,17 @@ def test_the_first_offloaded_step_gives_freed_host_memory_back():
 
 
 def test_a_threshold_the_user_gave_glibc_stands():
-    import subprocess
-    import sys
-
     code = "from zero3_compile.offload.allocator import settle_host_allocator as s; print(s())"
+    settings = {
+        "default": {},
+        "malloc env": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+        "tunables": {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"},
+        "ours": {"ZERO3_MMAP_THRESHOLD": str(2**20)},
+        "off": {"ZERO3_MMAP_THRESHOLD": "0"},
+    }
+    envs = {name: _allocator_env(**env) for name, env in settings.items()}
     settled = {}
-    for name, env in (
-        ("default", {}),
-        ("malloc env", {"MALLOC_MMAP_THRESHOLD_": "65536"}),
-        ("tunables", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}),
-        ("ours", {"ZERO3_MMAP_THRESHOLD": str(2**20)}),
-        ("off", {"ZERO3_MMAP_THRESHOLD": "0"}),
-    ):
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=_allocator_env(**env)
-        )
+    for name, out in _python_all(code, envs).items():
         assert out.returncode == 0, out.stderr
         settled[name] = int(out.stdout.split()[-1])
     assert settled == {
@@ -1163,21 +1188,22 @@ def test_the_host_cache_reuses_freed_blocks_within_its_high_water_and_cap(tmp_pa
 
 
 def test_the_disk_store_installs_the_host_cache_unless_told_not_to(tmp_path):
-    import subprocess
-    import sys
-
     code = (
         "import torch, tempfile; from zero3_compile.offload import host_cache;"
         "from zero3_compile.offload.allocator import settle_host_allocator as s; s();"
         "print(host_cache.installed())"
     )
+    envs = {
+        name: _allocator_env(ZERO3_HOST_CACHE_DIR=str(tmp_path), ZERO3_HOST_CACHE_MB=cap)
+        for name, cap in (("default", ""), ("off", "0"))
+    }
+    envs["bad"] = _allocator_env(ZERO3_HOST_CACHE_MB="lots")
+    done = _python_all(code, envs)
     seen = {}
-    for name, cap in (("default", ""), ("off", "0")):
-        env = _allocator_env(ZERO3_HOST_CACHE_DIR=str(tmp_path), ZERO3_HOST_CACHE_MB=cap)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    for name in ("default", "off"):
+        out = done[name]
         assert out.returncode == 0, out.stderr
         seen[name] = out.stdout.split()[-1]
     assert seen == {"default": "True", "off": "False"}, seen
-    env = _allocator_env(ZERO3_HOST_CACHE_MB="lots")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = done["bad"]
     assert out.returncode != 0 and "ZERO3_HOST_CACHE_MB='lots'" in out.stderr, out.stderr
