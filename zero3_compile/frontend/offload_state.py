@@ -7,9 +7,9 @@ the model runtime's own."""
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..offload.deferred import StoredTensor, reads_deferred
+from ..offload.grads import with_local
 from ..offload.incoming import IncomingTensor, loads_incoming
 from ..offload.params import load_shards, loaded, store_shards
 from ..sharding.state import module_state
@@ -44,15 +44,7 @@ def _state_dict_copies(module, state_dict, prefix, local_metadata) -> None:
         else:
             with loaded([param_state], write_back=False):
                 local = param_state.local().clone()
-        param = param_state.param
-        state_dict[key] = DTensor.from_local(
-            local,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        state_dict[key] = with_local(param_state.param, local)
 
 
 def _load_into_offloaded(module, state_dict, prefix, *args) -> None:

@@ -399,7 +399,3 @@ def store_shards(states: Iterable) -> None:
     for state in states:
         state.offload.region.commit()
         evict(state)
-
-
-def shard_bytes(states) -> int:
-    return sum(s.offload.nbytes for s in states)
